@@ -1,0 +1,52 @@
+// Configuration: every PONTE_* environment variable, parsed once, in one place. The README's
+// "Configuration" table documents each one with its default; keep the two in step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ponte {
+
+enum class BackendChoice : uint8_t { kAuto, kFabric, kVerbs };
+
+struct Config {
+  BackendChoice backend = BackendChoice::kAuto;  // PONTE_BACKEND=auto|fabric|verbs
+  std::string fabric_provider = "efa";           // PONTE_FABRIC_PROVIDER
+  std::string fabric_lib;                        // PONTE_FABRIC_LIB: path of libfabric.so to load
+  std::string verbs_lib;                         // PONTE_VERBS_LIB: path of libibverbs.so to load
+  std::string ib_hca;                            // PONTE_IB_HCA: NCCL_IB_HCA syntax (^ excl, = exact)
+  int ib_gid_index = -1;                         // PONTE_IB_GID_INDEX: -1 picks RoCEv2 IPv4
+  int ib_traffic_class = 0;                      // PONTE_IB_TC
+  int ib_service_level = 0;                      // PONTE_IB_SL
+  int ib_timeout = 14;                           // PONTE_IB_TIMEOUT (4.096us * 2^x)
+  int ib_retry_count = 7;                        // PONTE_IB_RETRY_CNT
+  int nics_per_group = 0;                        // PONTE_NICS: NICs in the host group, 0 = all
+  size_t stripe_min_bytes = 256 * 1024;          // PONTE_STRIPE_MIN: below this, one NIC per write
+  uint32_t timeout_ms = 30000;                   // PONTE_TIMEOUT_MS: op / peer / connect timeout
+  std::string ctrl_addr;                         // PONTE_CTRL_ADDR: IP advertised for the peer socket
+  std::string socket_ifname;                     // PONTE_SOCKET_IFNAME: interface for that IP
+  uint32_t spin_us = 200;                        // PONTE_SPIN_US: busy-poll this long after work
+  uint32_t queue_depth = 8192;                   // PONTE_QUEUE_DEPTH: submission ring entries
+  uint32_t max_inflight = 16384;                 // PONTE_MAX_INFLIGHT: ops in flight per group
+  uint32_t recv_buf_size = 64 * 1024;            // PONTE_RECV_SIZE: largest two-sided message
+  uint32_t recv_buf_count = 128;                 // PONTE_RECV_COUNT: receive buffers per NIC
+  std::vector<int> progress_cores;               // PONTE_PROGRESS_CORES: "2,3" pins workers
+  std::string topo_file;                         // PONTE_TOPO_FILE: hwloc XML instead of live host
+  int log_level = 1;                             // PONTE_LOG: 0 error, 1 warn, 2 info, 3 debug
+
+  // Parses the environment. Bad values give kInvalidArgument naming the variable.
+  static Result<Config> from_env();
+};
+
+// The process-wide configuration, parsed on first use. A bad value is reported once on stderr and
+// its default kept.
+const Config& global_config();
+
+// Parses "64k", "1m", "4096", "2g" into bytes.
+Result<size_t> parse_size(const std::string& text);
+
+}  // namespace ponte

@@ -1,0 +1,196 @@
+// ControlSocket over TCP with keepalive and a user timeout, so a dead host is noticed as well as
+// a dead process.
+#include "core/control_socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "core/log.h"
+#include "core/wire.h"
+
+namespace ponte {
+
+static constexpr uint32_t kMaxControlMessage = 1 << 20;
+
+std::string ControlEndpoint::to_string() const {
+  char buf[64];
+  inet_ntop(AF_INET, ip, buf, sizeof(buf));
+  return std::string(buf) + ":" + std::to_string(port);
+}
+
+static Status pick_ipv4(const Config& cfg, in_addr* out) {
+  if (!cfg.ctrl_addr.empty()) {
+    if (inet_pton(AF_INET, cfg.ctrl_addr.c_str(), out) != 1)
+      return Status(Code::kInvalidArgument, "PONTE_CTRL_ADDR='%s' is not an IPv4 address", cfg.ctrl_addr.c_str());
+    return Status::Ok();
+  }
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) return Status(Code::kUnavailable, "getifaddrs: %s", strerror(errno));
+  bool found = false;
+  for (ifaddrs* i = ifs; i && !found; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP)) continue;
+    bool loop = (i->ifa_flags & IFF_LOOPBACK) != 0;
+    if (!cfg.socket_ifname.empty() ? cfg.socket_ifname != i->ifa_name : loop) continue;
+    *out = reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr;
+    found = true;
+  }
+  freeifaddrs(ifs);
+  if (!found) {
+    if (!cfg.socket_ifname.empty())
+      return Status(Code::kNotFound, "PONTE_SOCKET_IFNAME=%s has no IPv4 address", cfg.socket_ifname.c_str());
+    out->s_addr = htonl(INADDR_LOOPBACK);
+  }
+  return Status::Ok();
+}
+
+static void set_socket_options(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  int idle = 5, intvl = 2, cnt = 5;
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+  unsigned user_timeout_ms = 20000;
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+}
+
+Result<int> control_listen(const Config& cfg, ControlEndpoint* advertised) {
+  in_addr ip{};
+  PONTE_RETURN_IF_ERROR(pick_ipv4(cfg, &ip));
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status(Code::kResource, "socket: %s", strerror(errno));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr = cfg.ctrl_addr.empty() && cfg.socket_ifname.empty() ? in_addr{htonl(INADDR_ANY)} : ip;
+  sa.sin_port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 256) != 0) {
+    Status st(Code::kResource, "control socket bind/listen: %s", strerror(errno));
+    ::close(fd);
+    return st;
+  }
+  socklen_t len = sizeof(sa);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  advertised->family = 4;
+  memset(advertised->ip, 0, sizeof(advertised->ip));
+  memcpy(advertised->ip, &ip, 4);
+  advertised->port = ntohs(sa.sin_port);
+  return fd;
+}
+
+ControlSocket::~ControlSocket() { close(); }
+
+void ControlSocket::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  connecting_ = false;
+  in_.clear();
+  out_.clear();
+}
+
+Status ControlSocket::connect(const ControlEndpoint& to) {
+  close();
+  if (to.family != 4) return Status(Code::kInvalidArgument, "control socket: only IPv4 is supported");
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) return Status(Code::kResource, "socket: %s", strerror(errno));
+  set_socket_options(fd_);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  memcpy(&sa.sin_addr, to.ip, 4);
+  sa.sin_port = htons(to.port);
+  int rc = ::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  if (rc != 0 && errno != EINPROGRESS) {
+    Status st(Code::kPeerDead, "connect to %s: %s", to.to_string().c_str(), strerror(errno));
+    close();
+    return st;
+  }
+  connecting_ = (rc != 0);
+  return Status::Ok();
+}
+
+void ControlSocket::adopt(int fd) {
+  close();
+  fd_ = fd;
+  int flags = fcntl(fd_, F_GETFL);
+  fcntl(fd_, F_SETFL, flags | O_NONBLOCK);
+  set_socket_options(fd_);
+}
+
+Result<bool> ControlSocket::poll_connected() {
+  if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
+  if (!connecting_) return true;
+  int err = 0;
+  socklen_t len = sizeof(err);
+  // A non-blocking connect is done when the socket is writable: probe with a zero-byte send.
+  if (getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)
+    return Status(Code::kPeerDead, "control connect failed: %s", strerror(err ? err : errno));
+  sockaddr_in peer{};
+  socklen_t plen = sizeof(peer);
+  if (getpeername(fd_, reinterpret_cast<sockaddr*>(&peer), &plen) != 0) {
+    if (errno == ENOTCONN) return false;
+    return Status(Code::kPeerDead, "control connect: %s", strerror(errno));
+  }
+  connecting_ = false;
+  return true;
+}
+
+Status ControlSocket::send_message(std::span<const uint8_t> payload) {
+  if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
+  std::vector<uint8_t> frame;
+  WireWriter w(frame);
+  w.u32(static_cast<uint32_t>(payload.size()));
+  out_.insert(out_.end(), frame.begin(), frame.end());
+  out_.insert(out_.end(), payload.begin(), payload.end());
+  return flush();
+}
+
+Status ControlSocket::flush() {
+  if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
+  if (connecting_) return Status::Ok();
+  while (!out_.empty()) {
+    ssize_t n = ::send(fd_, out_.data(), out_.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::Ok();
+      return Status(Code::kPeerDead, "control send: %s", strerror(errno));
+    }
+    out_.erase(out_.begin(), out_.begin() + n);
+  }
+  return Status::Ok();
+}
+
+Result<bool> ControlSocket::recv_message(std::vector<uint8_t>* msg) {
+  if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
+  if (connecting_) return false;
+  uint8_t buf[4096];
+  for (;;) {
+    // Deliver a complete message first.
+    if (in_.size() >= 4) {
+      WireReader r(in_);
+      uint32_t len = r.u32();
+      if (len > kMaxControlMessage)
+        return Status(Code::kPeerDead, "control message of %u bytes: not a ponte peer", len);
+      if (in_.size() >= 4 + static_cast<size_t>(len)) {
+        msg->assign(in_.begin() + 4, in_.begin() + 4 + len);
+        in_.erase(in_.begin(), in_.begin() + 4 + len);
+        return true;
+      }
+    }
+    ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0) return Status(Code::kPeerDead, "peer closed its control connection (process exited?)");
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+      return Status(Code::kPeerDead, "control connection: %s", strerror(errno));
+    }
+    in_.insert(in_.end(), buf, buf + n);
+  }
+}
+
+}  // namespace ponte

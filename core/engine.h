@@ -1,0 +1,157 @@
+// Engine: ponte's public RDMA API. It owns NIC groups (all NICs serving one GPU, or host memory),
+// registers memory on every NIC of a group, and runs asynchronous transfers on each group's worker.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/nic.h"
+#include "core/notify.h"
+#include "core/remote_region.h"
+#include "core/status.h"
+
+namespace ponte {
+
+class NicGroup;
+
+using PeerId = uint32_t;  // a remote group as one local group knows it; dense from 0 per group
+constexpr PeerId kAnyPeer = 0xffffffffu;
+
+// A local registration: one NicMr per NIC of the group. Keep it alive (and registered) until every
+// operation that uses it has completed.
+struct MemoryRegion {
+  void* addr = nullptr;
+  size_t len = 0;
+  int group = -1;
+  uint64_t id = 0;  // engine-unique, 0 = invalid
+  std::vector<NicMr> nic_mrs;
+  // What a peer needs to write/read this memory; send its bytes (RemoteRegion::encode) out of band.
+  RemoteRegion remote() const;
+};
+
+// A slice of local registered memory.
+struct LocalSlice {
+  const MemoryRegion* mr = nullptr;
+  size_t offset = 0;
+  size_t len = 0;
+};
+
+struct ScatterTarget {
+  PeerId peer = 0;
+  size_t src_offset = 0;  // within the scatter's source region
+  size_t len = 0;
+  const RemoteRegion* dst = nullptr;
+  size_t dst_offset = 0;
+};
+
+// Called on the group's worker thread for every two-sided message: the data is valid only during
+// the call. Keep it short; it may submit new operations.
+using RecvHandler = void (*)(void* arg, PeerId from, std::span<const uint8_t> data);
+
+struct EngineOptions {
+  Config config = global_config();
+  // Groups to build. Empty: one host-memory group over config.nics_per_group NICs (all when 0).
+  // Each entry lists device indexes of the backend (repeating an index opens that device again).
+  std::vector<std::vector<size_t>> groups;
+  std::vector<std::vector<int>> group_cores;  // pin group i's worker to these cores (optional)
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> create(EngineOptions opts = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  BackendKind backend() const;
+  const std::vector<NicInfo>& devices() const;  // every NIC the backend offers
+  int num_groups() const;
+  int nics_in_group(int group) const;
+  const NicInfo& nic_info(int group, int nic) const;
+
+  // The group's address: versioned bytes a peer passes to connect().
+  std::vector<uint8_t> address(int group) const;
+
+  // Starts connecting group to the remote group at peer_address; never blocks. Operations to the
+  // returned peer may be submitted at once: they wait until the handshake completes. A peer that
+  // connects to us appears through incoming_peers / RecvHandler with its own PeerId.
+  Result<PeerId> connect(int group, std::span<const uint8_t> peer_address);
+  // Whether the handshake with peer has completed (false when dead).
+  bool peer_ready(int group, PeerId peer) const;
+  bool peer_dead(int group, PeerId peer) const;
+  // Number of NICs that writes to this peer stripe over: min(local NICs, peer NICs); 0 until the
+  // peer's address is known.
+  int peer_nics(int group, PeerId peer) const;
+
+  // Registers [addr, addr+len) on every NIC of the group (blocking; not for the hot path).
+  Result<MemoryRegion> register_memory(int group, void* addr, size_t len,
+                                       MemKind kind = MemKind::kHost, int cuda_device = -1);
+  Status deregister(MemoryRegion& mr);
+
+  // ---- Operations. All asynchronous: Notify fires exactly once, on the worker thread, with OK or
+  // the error. A non-OK return means the op was rejected and Notify will not fire.
+  // One-sided write of src to dst+dst_offset; with imm, every shard carries it (see
+  // imms_per_write) so the target's ImmCounter learns when all of it landed.
+  Status write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+               size_t dst_offset, const uint32_t* imm, Notify done);
+  Status write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+               size_t dst_offset, Notify done) {
+    return write(group, peer, src, dst, dst_offset, nullptr, done);
+  }
+  Status write_imm(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                   size_t dst_offset, uint32_t imm, Notify done) {
+    return write(group, peer, src, dst, dst_offset, &imm, done);
+  }
+  // RDMA read of len bytes from src+src_offset into dst.
+  Status read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
+              size_t src_offset, Notify done);
+  // Page i of the source (src_pages[i] * page_size within src) goes to page dst_pages[i] of dst.
+  // Each page is one write; with imm each carries it (count = pages). The index arrays must stay
+  // valid until done fires.
+  Status paged_write(int group, PeerId peer, const MemoryRegion& src,
+                     std::span<const uint32_t> src_pages, const RemoteRegion& dst,
+                     std::span<const uint32_t> dst_pages, size_t page_size, const uint32_t* imm,
+                     Notify done);
+  // One source region to many peers/offsets: one write per target, each carrying imm when given.
+  // targets must stay valid until done fires.
+  Status scatter(int group, const MemoryRegion& src, std::span<const ScatterTarget> targets,
+                 const uint32_t* imm, Notify done);
+  // An immediate alone (a zero-byte write-with-immediate).
+  Status imm(int group, PeerId peer, uint32_t value, Notify done);
+  // The same immediate to every peer listed; done fires when all were delivered (or one failed).
+  // peers must stay valid until done fires.
+  Status barrier(int group, std::span<const PeerId> peers, uint32_t value, Notify done);
+  // Two-sided send of src (at most config.recv_buf_size bytes) into an engine receive buffer.
+  Status send(int group, PeerId peer, const LocalSlice& src, Notify done);
+  void set_recv_handler(int group, RecvHandler fn, void* arg);
+
+  // ---- Immediate counters. Fires done when `count` immediates carrying `value` have arrived in
+  // this group (counting those that arrived before the call). With from != kAnyPeer the
+  // expectation fails when that peer dies; it fails with kTimeout after timeout_ms (0: config).
+  Status expect_imm(int group, uint32_t value, uint32_t count, PeerId from, Notify done,
+                    uint32_t timeout_ms = 0);
+  // Poller view of the same counters, for a thread that polls (such as NCCL's proxy): how many
+  // immediates carrying value have arrived and are not yet consumed, and consume n of them. Use
+  // either this or expect_imm for a given value, not both. Thread-safe, lock-free.
+  uint32_t imm_arrived(int group, uint32_t value) const;
+  void consume_imm(int group, uint32_t value, uint32_t n);
+
+  // How many immediates one write of len bytes to peer produces at the target.
+  uint32_t imms_per_write(int group, PeerId peer, size_t len) const;
+
+  // Peers that connected to this group from elsewhere (not through connect()), in arrival order.
+  std::vector<PeerId> peers(int group) const;
+
+ private:
+  Engine();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ponte

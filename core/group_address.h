@@ -1,0 +1,29 @@
+// GroupAddress: the bytes a peer needs to reach one NIC group: which engine and group, the
+// backend, the control socket (liveness + handshake) and every NIC's endpoint address. Versioned.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/nic.h"
+#include "core/status.h"
+
+namespace ponte {
+
+struct GroupAddress {
+  uint64_t engine_nonce = 0;  // random per engine: tells engines apart, also across restarts
+  uint8_t group = 0;
+  BackendKind backend = BackendKind::kFabric;
+  uint8_t ip_family = 4;      // 4 or 6
+  uint8_t ip[16] = {};        // control socket address (IPv4 in the first 4 bytes)
+  uint16_t port = 0;          // control socket port
+  std::vector<std::vector<uint8_t>> nic_addrs;
+
+  // Wire: u8 version(1) u8 kind('A') u16 total, u64 nonce, u8 group, u8 backend, u8 nics,
+  // u8 family, u16 port, 16 ip, then nics x (u16 len, bytes).
+  std::vector<uint8_t> encode() const;
+  static Result<GroupAddress> decode(std::span<const uint8_t> bytes);
+};
+
+}  // namespace ponte

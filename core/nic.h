@@ -1,0 +1,129 @@
+// The one narrow backend interface: a Backend lists NICs and opens them; a Nic registers memory,
+// posts RDMA operations and reports completions. core/fabric and core/verbs mirror each other.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ponte {
+
+struct Config;
+
+enum class BackendKind : uint8_t { kFabric = 1, kVerbs = 2 };
+const char* backend_name(BackendKind k);
+
+// What the engine and topology need to know about one NIC (a libfabric domain or a verbs port).
+struct NicInfo {
+  std::string name;        // "mlx5_0:1", "rdmap16s27", "lo": for logs only, never for matching
+  std::string pci_bus_id;  // "0000:43:00.0" lowercase, empty when the NIC has no PCI device
+  std::string provider;    // "tcp;ofi_rxm", "efa", "verbs"
+  uint64_t speed_mbps = 0;       // link speed, 0 when unknown (loopback)
+  size_t max_msg_size = 0;       // largest single write/send/read
+  size_t max_inline = 0;         // payloads up to this size may be sent inline
+  bool virt_addr = true;         // peers address this NIC's memory by virtual address (else offset)
+  bool device_memory = false;    // can register CUDA memory (FI_HMEM, dmabuf or peermem)
+  bool dmabuf = false;           // registers CUDA memory through dmabuf
+};
+
+enum class MemKind : uint8_t { kHost = 0, kCuda = 1 };
+
+struct MemoryDesc {
+  void* addr = nullptr;
+  size_t len = 0;
+  MemKind kind = MemKind::kHost;
+  int cuda_device = -1;
+  int dmabuf_fd = -1;          // >= 0: register CUDA memory through this dmabuf
+  uint64_t dmabuf_offset = 0;
+};
+
+// A registration on one NIC.
+struct NicMr {
+  void* handle = nullptr;    // backend object (fid_mr*, ibv_mr*)
+  void* desc = nullptr;      // local descriptor passed back in posts
+  uint64_t rkey = 0;         // key the peer uses to reach this memory
+  uint64_t remote_base = 0;  // address the peer uses for byte 0 (addr, or 0 for offset addressing)
+};
+
+using NicPeer = uint32_t;  // backend-local peer index, dense from 0
+
+enum class CompletionKind : uint8_t {
+  kLocal = 0,        // a posted write/read/send finished (or failed); ctx names it
+  kRecv = 1,         // a posted receive got a message: ctx, len, imm (sender tag) valid
+  kRemoteWrite = 2,  // a peer's write-with-immediate landed here: imm valid
+};
+
+struct Completion {
+  uint64_t ctx = 0;
+  uint32_t imm = 0;
+  uint32_t len = 0;
+  CompletionKind kind = CompletionKind::kLocal;
+  Code error = Code::kOk;  // not kOk: the operation failed (ctx still names it)
+};
+
+struct WriteWr {
+  NicPeer peer = 0;
+  const void* local = nullptr;
+  size_t len = 0;
+  void* desc = nullptr;  // NicMr::desc of the local registration (may be null when len == 0)
+  uint64_t remote_addr = 0;
+  uint64_t rkey = 0;
+  uint32_t imm = 0;
+  bool has_imm = false;
+  uint64_t ctx = 0;
+};
+
+// One NIC: all methods except the destructor are called from one thread at a time (the owning
+// NicGroup's worker). post_* never block and never allocate: kAgain means "queue full, poll and
+// retry"; any other error is final for that post.
+class Nic {
+ public:
+  virtual ~Nic() = default;
+  virtual const NicInfo& info() const = 0;
+  // This NIC's endpoint address, sent to peers inside the group address.
+  virtual std::span<const uint8_t> address() const = 0;
+
+  // Peers. add_peer takes the peer NIC's address() bytes. connect_blob is what this side sends the
+  // peer during the engine's handshake; complete_connect takes the peer's blob. A backend whose
+  // endpoints are connectionless returns an empty blob and ignores the peer's.
+  virtual Result<NicPeer> add_peer(std::span<const uint8_t> peer_address) = 0;
+  virtual Result<std::vector<uint8_t>> connect_blob(NicPeer peer) = 0;
+  virtual Status complete_connect(NicPeer peer, std::span<const uint8_t> peer_blob) = 0;
+  virtual void remove_peer(NicPeer peer) = 0;
+
+  virtual Result<NicMr> register_memory(const MemoryDesc& mem) = 0;
+  virtual void deregister(const NicMr& mr) = 0;
+
+  virtual Status post_write(const WriteWr& wr) = 0;
+  virtual Status post_read(NicPeer peer, void* local, size_t len, void* desc, uint64_t remote_addr,
+                           uint64_t rkey, uint64_t ctx) = 0;
+  // A two-sided send; imm travels with it and comes out of the receiver's kRecv completion.
+  virtual Status post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
+                           uint64_t ctx) = 0;
+  virtual Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) = 0;
+
+  // Reads up to max completions into out; returns how many, never blocks.
+  virtual int poll(Completion* out, int max) = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendKind kind() const = 0;
+  // The NICs this host offers through this backend (after filters such as PONTE_IB_HCA).
+  virtual const std::vector<NicInfo>& devices() const = 0;
+  // Opens device i; opening one device twice gives two independent NICs (used on loopback to
+  // stand for a multi-NIC host).
+  virtual Result<std::unique_ptr<Nic>> open_nic(size_t device_index) = 0;
+};
+
+// Implemented by core/fabric and core/verbs. kUnavailable when the library or a device is absent.
+Result<std::unique_ptr<Backend>> open_fabric_backend(const Config& cfg);
+Result<std::unique_ptr<Backend>> open_verbs_backend(const Config& cfg);
+
+}  // namespace ponte

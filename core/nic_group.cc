@@ -1,0 +1,870 @@
+// NicGroup: the worker loop (drain submissions, post shards, poll NICs, housekeeping), the peer
+// handshake state machine over ControlSocket, liveness and timeouts.
+#include "core/nic_group.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "core/log.h"
+#include "core/wire.h"
+
+namespace ponte {
+
+using Clock = std::chrono::steady_clock;
+
+static constexpr uint32_t kMaxPeers = 4096;
+static constexpr uint8_t kHelloVersion = 1;
+static constexpr uint8_t kHelloType = 1;
+static constexpr uint64_t kWakeTag = ~uint64_t{0};
+static constexpr uint64_t kListenTag = ~uint64_t{0} - 1;
+static constexpr uint64_t kPendingTag = ~uint64_t{0} - 2;
+static constexpr size_t kImmTableSize = 1 << 16;
+
+NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
+                   BackendKind backend, uint64_t engine_nonce)
+    : index_(index),
+      cfg_(cfg),
+      nics_(std::move(nics)),
+      backend_(backend),
+      engine_nonce_(engine_nonce),
+      queue_(cfg.queue_depth),
+      slots_(cfg.max_inflight),
+      peers_(kMaxPeers),
+      imm_(kImmTableSize, cfg.max_inflight) {
+  free_slots_.reserve(slots_.size());
+  for (uint32_t i = static_cast<uint32_t>(slots_.size()); i-- > 0;) free_slots_.push_back(i);
+}
+
+NicGroup::~NicGroup() { stop(); }
+
+Status NicGroup::start(const std::vector<int>& cores) {
+  auto lf = control_listen(cfg_, &ctrl_);
+  if (!lf.ok()) return lf.status();
+  listen_fd_ = *lf;
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (epoll_fd_ < 0 || wake_fd_ < 0) return Status(Code::kResource, "epoll/eventfd: %s", strerror(errno));
+  epoll_add(listen_fd_, kListenTag);
+  epoll_add(wake_fd_, kWakeTag);
+
+  GroupAddress a;
+  a.engine_nonce = engine_nonce_;
+  a.group = static_cast<uint8_t>(index_);
+  a.backend = backend_;
+  a.ip_family = ctrl_.family;
+  memcpy(a.ip, ctrl_.ip, 16);
+  a.port = ctrl_.port;
+  for (auto& n : nics_) {
+    auto b = n->address();
+    a.nic_addrs.emplace_back(b.begin(), b.end());
+  }
+  address_bytes_ = a.encode();
+
+  // Engine-owned receive buffers for two-sided messages, registered on their NIC.
+  size_t bytes = static_cast<size_t>(cfg_.recv_buf_size) * cfg_.recv_buf_count;
+  for (size_t i = 0; i < nics_.size(); i++) {
+    recv_bufs_.emplace_back(new (std::nothrow) uint8_t[bytes]);
+    if (!recv_bufs_.back()) return Status(Code::kResource, "receive buffers: %zu bytes", bytes);
+    MemoryDesc md;
+    md.addr = recv_bufs_.back().get();
+    md.len = bytes;
+    auto mr = nics_[i]->register_memory(md);
+    if (!mr.ok()) return mr.status();
+    MemoryRegion r;
+    r.addr = md.addr;
+    r.len = bytes;
+    r.group = index_;
+    r.nic_mrs.assign(nics_.size(), NicMr{});
+    r.nic_mrs[i] = *mr;
+    recv_mrs_.push_back(std::move(r));
+  }
+  post_recv_buffers();
+
+  last_activity_ = Clock::now();
+  last_timeout_scan_ = last_activity_;
+  worker_ = std::thread([this, cores] {
+    worker_id_.store(std::this_thread::get_id(), std::memory_order_release);
+    if (!cores.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int c : cores) CPU_SET(c, &set);
+      int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      if (rc != 0) PONTE_LOG_WARN("group %d: pinning the worker failed: %s", index_, strerror(rc));
+    }
+    run();
+  });
+  return Status::Ok();
+}
+
+void NicGroup::post_recv_buffers() {
+  for (size_t i = 0; i < nics_.size(); i++) {
+    for (uint32_t b = 0; b < cfg_.recv_buf_count; b++) {
+      uint8_t* p = recv_bufs_[i].get() + static_cast<size_t>(b) * cfg_.recv_buf_size;
+      Status st = nics_[i]->post_recv(p, cfg_.recv_buf_size, recv_mrs_[i].nic_mrs[i].desc, b);
+      if (!st.ok()) {
+        PONTE_LOG_WARN("group %d NIC %zu: posting receive %u: %s", index_, i, b, st.message());
+        break;
+      }
+    }
+  }
+}
+
+void NicGroup::stop() {
+  if (worker_.joinable()) {
+    stop_.store(true, std::memory_order_release);
+    uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) { /* the worker also wakes on its own */ }
+    worker_.join();
+  }
+  // Everything still queued or in flight ends with kCancelled.
+  Status cancelled(Code::kCancelled, "the engine was shut down");
+  while (Op* op = queue_.front()) {
+    Notify d = op->done;
+    Op::Type type = op->type;
+    void* arg = op->call_arg;
+    queue_.pop();
+    if (type == Op::kConnect) free(arg);
+    else d(cancelled);
+  }
+  while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
+  imm_.fail_all(cancelled);
+  for (auto& p : peers_) {
+    p.sock[0].close();
+    p.sock[1].close();
+  }
+  pending_.clear();
+  for (size_t i = 0; i < recv_mrs_.size(); i++) nics_[i]->deregister(recv_mrs_[i].nic_mrs[i]);
+  recv_mrs_.clear();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+  listen_fd_ = epoll_fd_ = wake_fd_ = -1;
+}
+
+void NicGroup::epoll_add(int fd, uint64_t tag) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = tag;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+}
+
+void NicGroup::epoll_del(int fd) { epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr); }
+
+// ---------------------------------------------------------------- submission
+
+Status NicGroup::submit(const Op& op) {
+  if (!queue_.push(op)) return Status(Code::kAgain, "group %d: submission queue full (%zu)", index_, queue_.capacity());
+  if (sleeping_.load(std::memory_order_acquire)) {
+    uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) { /* already signalled */ }
+  }
+  return Status::Ok();
+}
+
+namespace {
+struct CallBox {
+  void (*fn)(void*);
+  void* arg;
+};
+void run_call(void* p) {
+  auto* box = static_cast<CallBox*>(p);
+  box->fn(box->arg);
+}
+}  // namespace
+
+Status NicGroup::run_on_worker(void (*fn)(void*), void* arg) {
+  if (on_worker() || !worker_.joinable()) {
+    fn(arg);
+    return Status::Ok();
+  }
+  CallBox box{fn, arg};
+  Flag flag;
+  Op op;
+  op.type = Op::kCall;
+  op.call = run_call;
+  op.call_arg = &box;
+  op.done = flag.notify();
+  auto deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
+  for (;;) {
+    Status st = submit(op);
+    if (st.ok()) break;
+    if (st.code() != Code::kAgain || Clock::now() > deadline) return st;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  // The worker always runs (or cancels) a queued call: wait without a deadline would be safe, but
+  // a wedged NIC call must not hang the caller forever.
+  return flag.wait(std::chrono::milliseconds(cfg_.timeout_ms) + std::chrono::seconds(5));
+}
+
+// ---------------------------------------------------------------- peers
+
+Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
+  PeerId id = next_peer_.fetch_add(1, std::memory_order_relaxed);
+  if (id >= kMaxPeers) {
+    next_peer_.store(kMaxPeers, std::memory_order_relaxed);
+    return Status(Code::kResource, "group %d: more than %u peers", index_, kMaxPeers);
+  }
+  Peer& p = peers_[id];
+  int n = std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(addr.nic_addrs.size()));
+  p.nics.store(n, std::memory_order_relaxed);
+  p.state.store(kConnecting, std::memory_order_release);
+  return id;
+}
+
+bool NicGroup::peer_exists(PeerId p) const {
+  return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) != kUnused;
+}
+bool NicGroup::peer_ready(PeerId p) const {
+  return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kReady;
+}
+bool NicGroup::peer_dead(PeerId p) const {
+  return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kDead;
+}
+int NicGroup::peer_nics(PeerId p) const {
+  return p < kMaxPeers ? peers_[p].nics.load(std::memory_order_acquire) : 0;
+}
+std::vector<PeerId> NicGroup::inbound_peers() const {
+  std::vector<PeerId> out;
+  uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
+  for (PeerId i = 0; i < n; i++) {
+    uint8_t st = peers_[i].state.load(std::memory_order_acquire);
+    // inbound is written before the state leaves kUnused (release), read after (acquire).
+    if (st != kUnused && peers_[i].inbound) out.push_back(i);
+  }
+  return out;
+}
+
+PeerId NicGroup::find_peer(uint64_t nonce, uint8_t group) const {
+  uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
+  for (PeerId i = 0; i < n; i++) {
+    const Peer& p = peers_[i];
+    uint8_t st = p.state.load(std::memory_order_acquire);
+    if ((st == kConnecting || st == kReady) && p.addr_known && p.addr.engine_nonce == nonce && p.addr.group == group)
+      return i;
+  }
+  return kAnyPeer;
+}
+
+Status NicGroup::attach_backend(PeerId id) {
+  Peer& p = peers_[id];
+  if (p.nics_added) return Status::Ok();
+  int n = p.nics.load(std::memory_order_relaxed);
+  for (int k = 0; k < n; k++) {
+    auto np = nics_[k]->add_peer(p.addr.nic_addrs[k]);
+    if (!np.ok()) return np.status();
+    p.nic_peer[k] = *np;
+  }
+  p.nics_added = true;
+  return Status::Ok();
+}
+
+Status NicGroup::send_hello(PeerId id, int which) {
+  Peer& p = peers_[id];
+  PONTE_RETURN_IF_ERROR(attach_backend(id));
+  std::vector<uint8_t> msg;
+  WireWriter w(msg);
+  w.u8(kHelloVersion);
+  w.u8(kHelloType);
+  w.u16(0);
+  w.u32(id);  // the id we gave the peer: its sends to us carry it
+  w.u16(static_cast<uint16_t>(address_bytes_.size()));
+  w.bytes(address_bytes_);
+  int n = p.nics.load(std::memory_order_relaxed);
+  w.u8(static_cast<uint8_t>(n));
+  for (int k = 0; k < n; k++) {
+    auto blob = nics_[k]->connect_blob(p.nic_peer[k]);
+    if (!blob.ok()) return blob.status();
+    w.u16(static_cast<uint16_t>(blob->size()));
+    w.bytes(*blob);
+  }
+  PONTE_RETURN_IF_ERROR(p.sock[which].send_message(msg));
+  p.sock_hello_sent[which] = true;
+  p.hello_sent = true;
+  return Status::Ok();
+}
+
+Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg) {
+  Peer& p = peers_[id];
+  WireReader r(msg);
+  uint8_t version = r.u8();
+  uint8_t type = r.u8();
+  r.u16();
+  uint32_t their_id_for_us = r.u32();
+  uint16_t alen = r.u16();
+  auto abytes = r.bytes(alen);
+  if (!r.ok() || version != kHelloVersion || type != kHelloType)
+    return Status(Code::kInvalidArgument, "bad handshake message (version %u type %u)", version, type);
+  auto addr = GroupAddress::decode(abytes);
+  if (!addr.ok()) return addr.status();
+  if (addr->backend != backend_)
+    return Status(Code::kInvalidArgument, "peer runs the %s backend, this group %s", backend_name(addr->backend), backend_name(backend_));
+  if (!p.addr_known) {
+    p.addr = std::move(addr.value());
+    p.addr_known = true;
+    p.nics.store(std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(p.addr.nic_addrs.size())),
+                 std::memory_order_release);
+  }
+  int n = p.nics.load(std::memory_order_relaxed);
+  uint8_t nblobs = r.u8();
+  if (!r.ok() || nblobs < n) return Status(Code::kInvalidArgument, "handshake: %u connect blobs for %d NICs", nblobs, n);
+  PONTE_RETURN_IF_ERROR(attach_backend(id));
+  p.remote_tag = their_id_for_us;
+  p.hello_received = true;
+  if (!p.sock_hello_sent[which]) PONTE_RETURN_IF_ERROR(send_hello(id, which));
+  if (!p.backend_connected) {
+    for (int k = 0; k < nblobs; k++) {
+      uint16_t blen = r.u16();
+      auto blob = r.bytes(blen);
+      if (!r.ok()) return Status(Code::kInvalidArgument, "handshake: truncated connect blob %d", k);
+      if (k < n) PONTE_RETURN_IF_ERROR(nics_[k]->complete_connect(p.nic_peer[k], blob));
+    }
+    p.backend_connected = true;
+  }
+  if (p.hello_sent && p.backend_connected && p.state.load(std::memory_order_relaxed) == kConnecting) {
+    p.state.store(kReady, std::memory_order_release);
+    PONTE_LOG_INFO("group %d: peer %u ready (%d NICs)", index_, id, n);
+  }
+  return Status::Ok();
+}
+
+void NicGroup::peer_died(PeerId id, Code code, const char* why) {
+  Peer& p = peers_[id];
+  if (p.state.load(std::memory_order_relaxed) == kDead) return;
+  p.state.store(kDead, std::memory_order_release);
+  PONTE_LOG_WARN("group %d: peer %u is dead: %s", index_, id, why);
+  for (auto& s : p.sock) {
+    if (s.open()) epoll_del(s.fd());
+    s.close();
+  }
+  if (p.nics_added) {
+    for (int k = 0; k < p.nics.load(std::memory_order_relaxed); k++) nics_[k]->remove_peer(p.nic_peer[k]);
+    p.nics_added = false;
+  }
+  // Every operation that depends on the peer ends through its error path.
+  for (uint32_t s = active_head_; s != kNoSlot;) {
+    uint32_t next = slots_[s].next;
+    if (slot_uses_peer(slots_[s], id)) fail_slot(s, code, why);
+    s = next;
+  }
+  imm_.fail_from(id, Status(code, "peer %u: %s", id, why));
+}
+
+bool NicGroup::slot_uses_peer(const Slot& s, PeerId id) const {
+  switch (s.op.type) {
+    case Op::kScatter:
+      for (uint32_t i = 0; i < s.op.count; i++)
+        if (s.op.targets[i].peer == id) return true;
+      return false;
+    case Op::kBarrier:
+      for (uint32_t i = 0; i < s.op.count; i++)
+        if (s.op.peers[i] == id) return true;
+      return false;
+    default:
+      return s.op.peer == id;
+  }
+}
+
+void NicGroup::accept_new() {
+  for (;;) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    PendingSocket ps;
+    ps.sock = std::make_unique<ControlSocket>();
+    ps.sock->adopt(fd);
+    ps.deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
+    epoll_add(fd, kPendingTag);
+    pending_.push_back(std::move(ps));
+  }
+}
+
+void NicGroup::service_pending(Clock::time_point now) {
+  for (size_t i = 0; i < pending_.size();) {
+    PendingSocket& ps = pending_[i];
+    auto got = ps.sock->recv_message(&msg_);
+    bool drop = !got.ok() || now > ps.deadline;
+    if (!drop && *got) {
+      // The first message names the peer: find it (we may have connected to it too) or add it.
+      WireReader r(msg_);
+      r.skip(8);
+      uint16_t alen = r.u16();
+      auto abytes = r.bytes(alen);
+      auto addr = r.ok() ? GroupAddress::decode(abytes) : Result<GroupAddress>(Status(Code::kInvalidArgument, "short hello"));
+      if (!addr.ok()) {
+        PONTE_LOG_WARN("group %d: dropping a control connection: %s", index_, addr.status().message());
+        drop = true;
+      } else {
+        PeerId id = find_peer(addr->engine_nonce, addr->group);
+        if (id == kAnyPeer) {
+          id = next_peer_.fetch_add(1, std::memory_order_relaxed);
+          if (id >= kMaxPeers) {
+            PONTE_LOG_WARN("group %d: refusing a peer: more than %u peers", index_, kMaxPeers);
+            drop = true;
+          } else {
+            Peer& p = peers_[id];
+            p.inbound = true;
+            p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+            p.state.store(kConnecting, std::memory_order_release);
+          }
+        }
+        if (!drop) {
+          Peer& p = peers_[id];
+          int which = p.sock[0].open() ? 1 : 0;
+          if (p.sock[which].open()) {
+            drop = true;  // a third connection from the same peer: not ours
+          } else {
+            int fd = ps.sock->fd();
+            epoll_del(fd);
+            p.sock[which].adopt(dup(fd));
+            ps.sock->close();
+            epoll_add(p.sock[which].fd(), (static_cast<uint64_t>(id) << 1) | static_cast<uint64_t>(which));
+            Status st = handle_hello(id, which, msg_);
+            if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
+            pending_.erase(pending_.begin() + static_cast<long>(i));
+            continue;
+          }
+        }
+      }
+    }
+    if (drop) {
+      if (ps.sock->open()) epoll_del(ps.sock->fd());
+      pending_.erase(pending_.begin() + static_cast<long>(i));
+      continue;
+    }
+    i++;
+  }
+}
+
+void NicGroup::service_peer(PeerId id, int which) {
+  Peer& p = peers_[id];
+  if (p.state.load(std::memory_order_relaxed) == kDead || !p.sock[which].open()) return;
+  auto conn = p.sock[which].poll_connected();
+  if (!conn.ok()) return peer_died(id, Code::kPeerDead, conn.status().message());
+  if (!*conn) return;
+  if (!p.sock_hello_sent[which] && !p.inbound && which == 0) {
+    Status st = send_hello(id, which);
+    if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
+    // Connected: stop watching for writability (level-triggered, it would never let us sleep).
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = static_cast<uint64_t>(id) << 1;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, p.sock[0].fd(), &ev);
+  }
+  Status fl = p.sock[which].flush();
+  if (!fl.ok()) return peer_died(id, Code::kPeerDead, fl.message());
+  for (;;) {
+    auto got = p.sock[which].recv_message(&msg_);
+    if (!got.ok()) return peer_died(id, Code::kPeerDead, got.status().message());
+    if (!*got) return;
+    Status st = handle_hello(id, which, msg_);
+    if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
+  }
+}
+
+void NicGroup::poll_control(Clock::time_point now) {
+  epoll_event evs[64];
+  int n = epoll_wait(epoll_fd_, evs, 64, 0);
+  bool pending_ready = false;
+  for (int i = 0; i < n; i++) {
+    uint64_t tag = evs[i].data.u64;
+    if (tag == kWakeTag) {
+      uint64_t v;
+      if (read(wake_fd_, &v, sizeof(v)) < 0) { /* nothing to drain */ }
+    } else if (tag == kListenTag) {
+      accept_new();
+      pending_ready = true;
+    } else if (tag == kPendingTag) {
+      pending_ready = true;
+    } else {
+      service_peer(static_cast<PeerId>(tag >> 1), static_cast<int>(tag & 1));
+    }
+  }
+  if (pending_ready || !pending_.empty()) service_pending(now);
+}
+
+// ---------------------------------------------------------------- slots and posting
+
+uint32_t NicGroup::alloc_slot() {
+  if (free_slots_.empty()) return kNoSlot;
+  uint32_t i = free_slots_.back();
+  free_slots_.pop_back();
+  Slot& s = slots_[i];
+  s.used = true;
+  s.error = Code::kOk;
+  s.error_msg[0] = 0;
+  s.next_shard = s.shards = s.outstanding = 0;
+  s.prev = kNoSlot;
+  s.next = active_head_;
+  if (active_head_ != kNoSlot) slots_[active_head_].prev = i;
+  active_head_ = i;
+  active_count_++;
+  return i;
+}
+
+void NicGroup::finish(uint32_t i) {
+  Slot& s = slots_[i];
+  Notify done = s.op.done;
+  Code code = s.error;
+  char msg[96];
+  memcpy(msg, s.error_msg, sizeof(msg));
+  // Release before notifying: the callback may submit again.
+  s.used = false;
+  s.runnable = false;
+  s.gen++;
+  if (s.prev != kNoSlot) slots_[s.prev].next = s.next; else active_head_ = s.next;
+  if (s.next != kNoSlot) slots_[s.next].prev = s.prev;
+  free_slots_.push_back(i);
+  active_count_--;
+  if (code == Code::kOk) done(Status::Ok());
+  else done(Status(code, "%s", msg));
+}
+
+void NicGroup::fail_slot(uint32_t i, Code code, const char* why) {
+  Slot& s = slots_[i];
+  if (s.error == Code::kOk) {
+    s.error = code;
+    snprintf(s.error_msg, sizeof(s.error_msg), "%s", why);
+  }
+  if (s.runnable) {
+    // Unlink from the runnable FIFO.
+    uint32_t prev = kNoSlot;
+    for (uint32_t r = run_head_; r != kNoSlot; prev = r, r = slots_[r].run_next) {
+      if (r != i) continue;
+      if (prev == kNoSlot) run_head_ = slots_[r].run_next; else slots_[prev].run_next = slots_[r].run_next;
+      if (run_tail_ == r) run_tail_ = prev;
+      break;
+    }
+    s.runnable = false;
+  }
+  // Shards still on the NIC complete later with a stale generation and are ignored.
+  finish(i);
+}
+
+bool NicGroup::drain_queue() {
+  bool did = false;
+  for (int n = 0; n < 256; n++) {
+    Op* op = queue_.front();
+    if (!op) break;
+    if (op->type != Op::kExpect && op->type != Op::kCall && op->type != Op::kConnect && free_slots_.empty())
+      break;  // back-pressure: leave it queued until a slot frees
+    Op copy = *op;
+    queue_.pop();
+    start_op(copy);
+    did = true;
+  }
+  return did;
+}
+
+void NicGroup::start_op(const Op& op) {
+  auto now = Clock::now();
+  switch (op.type) {
+    case Op::kCall:
+      op.call(op.call_arg);
+      op.done(Status::Ok());
+      return;
+    case Op::kExpect: {
+      uint32_t t = op.timeout_ms ? op.timeout_ms : cfg_.timeout_ms;
+      if (op.peer != kAnyPeer && peer_dead(op.peer)) {
+        op.done(Status(Code::kPeerDead, "expect_imm: peer %u is dead", op.peer));
+        return;
+      }
+      Status st = imm_.expect(op.imm, op.count, op.peer, now + std::chrono::milliseconds(t), op.done);
+      if (!st.ok()) op.done(st);
+      return;
+    }
+    case Op::kConnect: {
+      Peer& p = peers_[op.peer];
+      auto addr = GroupAddress::decode(std::span<const uint8_t>(
+          reinterpret_cast<const uint8_t*>(op.call_arg), op.len));
+      free(op.call_arg);
+      if (!addr.ok()) return peer_died(op.peer, Code::kInvalidArgument, addr.status().message());
+      p.addr = std::move(addr.value());
+      p.addr_known = true;
+      p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+      ControlEndpoint ep;
+      ep.family = p.addr.ip_family;
+      memcpy(ep.ip, p.addr.ip, 16);
+      ep.port = p.addr.port;
+      Status st = attach_backend(op.peer);
+      if (st.ok()) st = p.sock[0].connect(ep);
+      if (!st.ok()) return peer_died(op.peer, Code::kPeerDead, st.message());
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP;
+      ev.data.u64 = static_cast<uint64_t>(op.peer) << 1;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, p.sock[0].fd(), &ev);
+      service_peer(op.peer, 0);
+      return;
+    }
+    default:
+      break;
+  }
+  uint32_t i = alloc_slot();  // drain_queue made sure one is free
+  Slot& s = slots_[i];
+  s.op = op;
+  s.deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+  s.first_nic = first_nic_++;
+  switch (op.type) {
+    case Op::kWrite: {
+      int n = std::min<int>(peer_nics(op.peer), op.remote.nics);
+      s.plan = StripePlan::make(op.len, n, cfg_.stripe_min_bytes);
+      s.shards = s.plan.shards;
+      break;
+    }
+    case Op::kPaged:
+    case Op::kScatter:
+    case Op::kBarrier:
+      s.shards = op.count;
+      break;
+    default:
+      s.shards = 1;
+      break;
+  }
+  if (s.shards == 0) return finish(i);
+  s.runnable = true;
+  s.run_next = kNoSlot;
+  if (run_tail_ == kNoSlot) run_head_ = i; else slots_[run_tail_].run_next = i;
+  run_tail_ = i;
+}
+
+NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
+  const Op& op = s.op;
+  const uint32_t j = s.next_shard;
+  PeerId peer = op.peer;
+  if (op.type == Op::kScatter) peer = op.targets[j].peer;
+  else if (op.type == Op::kBarrier) peer = op.peers[j];
+  uint8_t st = peers_[peer].state.load(std::memory_order_acquire);
+  if (st == kDead) {
+    fail_slot(si, Code::kPeerDead, "peer is dead");
+    return PostResult::kFailed;
+  }
+  if (st != kReady) return PostResult::kWait;
+  Peer& p = peers_[peer];
+  int pn = p.nics.load(std::memory_order_relaxed);
+  uint64_t ctx = (static_cast<uint64_t>(s.gen) << 32) | si;
+  Status rc;
+  int k = 0;
+  switch (op.type) {
+    case Op::kWrite: {
+      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(s.plan.nics));
+      size_t off = s.plan.shard_offset(j);
+      size_t len = s.plan.shard_len(j, op.len);
+      WriteWr wr;
+      wr.peer = p.nic_peer[k];
+      wr.local = static_cast<const uint8_t*>(op.mr->addr) + op.offset + (len ? off : 0);
+      wr.len = len;
+      wr.desc = op.mr->nic_mrs[k].desc;
+      wr.remote_addr = op.remote.remote_base[k] + op.remote_offset + (len ? off : 0);
+      wr.rkey = op.remote.rkey[k];
+      wr.imm = op.imm;
+      wr.has_imm = op.has_imm;
+      wr.ctx = ctx;
+      rc = nics_[k]->post_write(wr);
+      break;
+    }
+    case Op::kRead: {
+      k = static_cast<int>(s.first_nic % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
+      rc = nics_[k]->post_read(p.nic_peer[k], static_cast<uint8_t*>(op.mr->addr) + op.offset, op.len,
+                               op.mr->nic_mrs[k].desc, op.remote.remote_base[k] + op.remote_offset,
+                               op.remote.rkey[k], ctx);
+      break;
+    }
+    case Op::kPaged: {
+      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
+      WriteWr wr;
+      wr.peer = p.nic_peer[k];
+      wr.local = static_cast<const uint8_t*>(op.mr->addr) + static_cast<size_t>(op.src_pages[j]) * op.page_size;
+      wr.len = op.page_size;
+      wr.desc = op.mr->nic_mrs[k].desc;
+      wr.remote_addr = op.remote.remote_base[k] + static_cast<size_t>(op.dst_pages[j]) * op.page_size;
+      wr.rkey = op.remote.rkey[k];
+      wr.imm = op.imm;
+      wr.has_imm = op.has_imm;
+      wr.ctx = ctx;
+      rc = nics_[k]->post_write(wr);
+      break;
+    }
+    case Op::kScatter: {
+      const ScatterTarget& t = op.targets[j];
+      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, t.dst->nics)));
+      WriteWr wr;
+      wr.peer = p.nic_peer[k];
+      wr.local = static_cast<const uint8_t*>(op.mr->addr) + t.src_offset;
+      wr.len = t.len;
+      wr.desc = op.mr->nic_mrs[k].desc;
+      wr.remote_addr = t.dst->remote_base[k] + t.dst_offset;
+      wr.rkey = t.dst->rkey[k];
+      wr.imm = op.imm;
+      wr.has_imm = op.has_imm;
+      wr.ctx = ctx;
+      rc = nics_[k]->post_write(wr);
+      break;
+    }
+    case Op::kImm:
+    case Op::kBarrier: {
+      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(pn));
+      WriteWr wr;
+      wr.peer = p.nic_peer[k];
+      wr.imm = op.imm;
+      wr.has_imm = true;
+      wr.ctx = ctx;
+      rc = nics_[k]->post_write(wr);
+      break;
+    }
+    case Op::kSend: {
+      k = static_cast<int>(s.first_nic % static_cast<uint32_t>(pn));
+      rc = nics_[k]->post_send(p.nic_peer[k], static_cast<const uint8_t*>(op.mr->addr) + op.offset, op.len,
+                               op.mr->nic_mrs[k].desc, p.remote_tag, ctx);
+      break;
+    }
+    default:
+      fail_slot(si, Code::kInternal, "unknown operation");
+      return PostResult::kFailed;
+  }
+  if (rc.ok()) {
+    s.next_shard++;
+    s.outstanding++;
+    return PostResult::kPosted;
+  }
+  if (rc.code() == Code::kAgain) return PostResult::kWait;
+  fail_slot(si, rc.code(), rc.message());
+  return PostResult::kFailed;
+}
+
+bool NicGroup::post_runnable() {
+  bool did = false;
+  uint32_t prev = kNoSlot;
+  for (uint32_t i = run_head_; i != kNoSlot;) {
+    Slot& s = slots_[i];
+    uint32_t next = s.run_next;
+    PostResult r = PostResult::kPosted;
+    while (s.next_shard < s.shards) {
+      r = post_shard(s, i);
+      if (r != PostResult::kPosted) break;
+      did = true;
+    }
+    if (r == PostResult::kFailed) {
+      // fail_slot unlinked it; prev stays.
+      i = next;
+      continue;
+    }
+    if (s.next_shard == s.shards) {
+      // Fully posted: leave the runnable FIFO.
+      if (prev == kNoSlot) run_head_ = next; else slots_[prev].run_next = next;
+      if (run_tail_ == i) run_tail_ = prev;
+      s.runnable = false;
+    } else {
+      prev = i;
+    }
+    i = next;
+  }
+  return did;
+}
+
+void NicGroup::on_completion(int nic, const Completion& c) {
+  switch (c.kind) {
+    case CompletionKind::kRemoteWrite:
+      if (c.error != Code::kOk) return;
+      if (!imm_.arrive(c.imm) && (dropped_imms_++ % 1024) == 0)
+        PONTE_LOG_ERROR("group %d: immediate counter table full: dropped immediate 0x%x", index_, c.imm);
+      return;
+    case CompletionKind::kRecv: {
+      uint32_t b = static_cast<uint32_t>(c.ctx);
+      if (b >= cfg_.recv_buf_count) return;
+      uint8_t* buf = recv_bufs_[nic].get() + static_cast<size_t>(b) * cfg_.recv_buf_size;
+      if (c.error == Code::kOk && recv_fn_) recv_fn_(recv_arg_, c.imm, std::span<const uint8_t>(buf, c.len));
+      if (stop_.load(std::memory_order_relaxed)) return;
+      Status st = nics_[nic]->post_recv(buf, cfg_.recv_buf_size, recv_mrs_[nic].nic_mrs[nic].desc, b);
+      if (!st.ok()) PONTE_LOG_WARN("group %d: reposting a receive: %s", index_, st.message());
+      return;
+    }
+    case CompletionKind::kLocal: {
+      uint32_t i = static_cast<uint32_t>(c.ctx);
+      uint32_t gen = static_cast<uint32_t>(c.ctx >> 32);
+      if (i >= slots_.size()) return;
+      Slot& s = slots_[i];
+      if (!s.used || s.gen != gen) return;  // a shard of an op that already failed
+      s.outstanding--;
+      if (c.error != Code::kOk) {
+        fail_slot(i, c.error, "the NIC reported a failed completion");
+        return;
+      }
+      if (s.outstanding == 0 && s.next_shard == s.shards) finish(i);
+      return;
+    }
+  }
+}
+
+void NicGroup::housekeeping(Clock::time_point now) {
+  poll_control(now);
+  if (now - last_timeout_scan_ < std::chrono::milliseconds(5)) return;
+  last_timeout_scan_ = now;
+  for (uint32_t s = active_head_; s != kNoSlot;) {
+    uint32_t next = slots_[s].next;
+    if (slots_[s].deadline <= now) fail_slot(s, Code::kTimeout, "no completion within PONTE_TIMEOUT_MS");
+    s = next;
+  }
+  imm_.expire(now);
+  uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
+  for (PeerId i = 0; i < n; i++) {
+    Peer& p = peers_[i];
+    if (p.state.load(std::memory_order_relaxed) == kConnecting && p.addr_known && now > p.handshake_deadline)
+      peer_died(i, Code::kTimeout, "handshake did not complete within PONTE_TIMEOUT_MS");
+  }
+}
+
+void NicGroup::sleep_idle(uint32_t us) {
+  sleeping_.store(true, std::memory_order_seq_cst);
+  if (queue_.front() == nullptr && !stop_.load(std::memory_order_acquire)) {
+    epoll_event ev;
+    timespec ts{0, static_cast<long>(us) * 1000};
+    int n = epoll_pwait2(epoll_fd_, &ev, 1, &ts, nullptr);
+    (void)n;  // whatever woke us is serviced by the next housekeeping pass
+  }
+  sleeping_.store(false, std::memory_order_relaxed);
+}
+
+void NicGroup::run() {
+  Completion comps[32];
+  uint32_t idle_us = 0;
+  uint32_t iter = 0;
+  auto last_house = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    bool did = drain_queue();
+    if (run_head_ != kNoSlot) did |= post_runnable();
+    for (size_t k = 0; k < nics_.size(); k++) {
+      int n = nics_[k]->poll(comps, 32);
+      for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps[c]);
+      did |= n > 0;
+    }
+    if (did && (++iter & 63) != 0) {
+      idle_us = 0;
+      continue;
+    }
+    auto now = Clock::now();
+    if (did) last_activity_ = now;
+    if (now - last_house >= std::chrono::microseconds(100) || !did) {
+      housekeeping(now);
+      last_house = now;
+    }
+    bool busy = active_count_ > 0 || imm_.waiting() > 0 || !pending_.empty() ||
+                now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
+    if (did || busy) {
+      idle_us = 0;
+      continue;
+    }
+    // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
+    // move incoming data), waking at once for a submission or a control message.
+    idle_us = idle_us ? std::min<uint32_t>(idle_us * 2, 50) : 1;
+    sleep_idle(idle_us);
+  }
+}
+
+}  // namespace ponte

@@ -1,0 +1,186 @@
+// NicGroup: the NICs serving one GPU (or host memory), their worker thread, peers and their
+// handshake state machine, in-flight operations and immediate counters. Internal to core/.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "core/control_socket.h"
+#include "core/engine.h"
+#include "core/group_address.h"
+#include "core/imm_counter.h"
+#include "core/nic.h"
+#include "core/stripe_plan.h"
+#include "core/submit_queue.h"
+
+namespace ponte {
+
+// One submitted operation, copied into the submission queue (fixed size, no allocation).
+struct Op {
+  enum Type : uint8_t { kWrite, kRead, kPaged, kScatter, kImm, kBarrier, kSend, kExpect, kConnect, kCall };
+  Type type = kWrite;
+  bool has_imm = false;
+  uint32_t imm = 0;
+  PeerId peer = 0;
+  Notify done;
+  const MemoryRegion* mr = nullptr;
+  size_t offset = 0;
+  size_t len = 0;
+  size_t remote_offset = 0;
+  const uint32_t* src_pages = nullptr;
+  const uint32_t* dst_pages = nullptr;
+  size_t page_size = 0;
+  const ScatterTarget* targets = nullptr;
+  const PeerId* peers = nullptr;
+  uint32_t count = 0;       // pages, targets, peers, or expected immediates
+  uint32_t timeout_ms = 0;  // kExpect
+  void (*call)(void* arg) = nullptr;  // kCall: runs on the worker
+  void* call_arg = nullptr;
+  RemoteRegion remote;
+};
+
+class NicGroup {
+ public:
+  NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
+           BackendKind backend, uint64_t engine_nonce);
+  ~NicGroup();
+  Status start(const std::vector<int>& cores);  // listen socket, receive buffers, worker thread
+  void stop();                                   // fails what is outstanding, joins the worker
+
+  int index() const { return index_; }
+  int nic_count() const { return static_cast<int>(nics_.size()); }
+  const NicInfo& nic_info(int i) const { return nics_[i]->info(); }
+  const Config& config() const { return cfg_; }
+  std::vector<uint8_t> address() const { return address_bytes_; }
+
+  // Submission from any thread. kAgain when the queue is full.
+  Status submit(const Op& op);
+  // Runs fn(arg) on the worker and waits (directly when called on the worker).
+  Status run_on_worker(void (*fn)(void*), void* arg);
+  bool on_worker() const { return std::this_thread::get_id() == worker_id_.load(std::memory_order_acquire); }
+
+  // Peers.
+  Result<PeerId> new_outbound_peer(const GroupAddress& addr);
+  bool peer_ready(PeerId p) const;
+  bool peer_dead(PeerId p) const;
+  int peer_nics(PeerId p) const;
+  bool peer_exists(PeerId p) const;
+  std::vector<PeerId> inbound_peers() const;
+
+  ImmCounterTable& imm_table() { return imm_; }
+  void set_recv_handler(RecvHandler fn, void* arg) { recv_fn_ = fn; recv_arg_ = arg; }  // worker only
+  uint32_t next_first_nic() { return first_nic_++; }  // worker only
+
+  // Worker-side registration helpers (called through run_on_worker).
+  Nic& nic(int i) { return *nics_[i]; }
+
+ private:
+  enum PeerState : uint8_t { kUnused = 0, kConnecting, kReady, kDead };
+  struct Peer {
+    std::atomic<uint8_t> state{kUnused};
+    std::atomic<int> nics{0};
+    bool inbound = false;
+    bool addr_known = false;
+    GroupAddress addr;
+    NicPeer nic_peer[kMaxNicsPerGroup] = {};
+    bool nics_added = false;
+    bool backend_connected = false;
+    bool hello_received = false;
+    bool hello_sent = false;
+    uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
+    ControlSocket sock[2];
+    bool sock_hello_sent[2] = {false, false};
+    std::chrono::steady_clock::time_point handshake_deadline;
+  };
+  struct Slot {
+    Op op;
+    uint32_t gen = 0;
+    bool used = false;
+    bool runnable = false;
+    uint32_t next_shard = 0;
+    uint32_t shards = 0;
+    uint32_t outstanding = 0;
+    uint32_t first_nic = 0;
+    StripePlan plan;
+    Code error = Code::kOk;
+    char error_msg[96] = {0};
+    std::chrono::steady_clock::time_point deadline;
+    uint32_t prev = kNoSlot, next = kNoSlot;  // active list
+    uint32_t run_next = kNoSlot;              // runnable FIFO
+  };
+  static constexpr uint32_t kNoSlot = 0xffffffffu;
+  struct PendingSocket {
+    std::unique_ptr<ControlSocket> sock;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  void run();
+  bool drain_queue();
+  void start_op(const Op& op);
+  bool post_runnable();
+  enum class PostResult { kPosted, kWait, kFailed };
+  PostResult post_shard(Slot& s, uint32_t slot_index);
+  void on_completion(int nic, const Completion& c);
+  void finish(uint32_t slot_index);
+  void fail_slot(uint32_t slot_index, Code code, const char* why);
+  void housekeeping(std::chrono::steady_clock::time_point now);
+  void poll_control(std::chrono::steady_clock::time_point now);
+  void service_peer(PeerId p, int which);
+  Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
+  Status send_hello(PeerId p, int which);
+  Status attach_backend(PeerId p);
+  void peer_died(PeerId p, Code code, const char* why);
+  void accept_new();
+  void service_pending(std::chrono::steady_clock::time_point now);
+  PeerId find_peer(uint64_t nonce, uint8_t group) const;
+  uint32_t alloc_slot();
+  void sleep_idle(uint32_t us);
+  void post_recv_buffers();
+  void epoll_add(int fd, uint64_t tag);
+  void epoll_del(int fd);
+  bool slot_uses_peer(const Slot& s, PeerId p) const;
+
+  const int index_;
+  Config cfg_;
+  std::vector<std::unique_ptr<Nic>> nics_;
+  BackendKind backend_;
+  uint64_t engine_nonce_;
+  std::vector<uint8_t> address_bytes_;
+  ControlEndpoint ctrl_;
+  int listen_fd_ = -1;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+
+  SubmitQueue<Op> queue_;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_slots_;
+  uint32_t active_head_ = kNoSlot;
+  uint32_t run_head_ = kNoSlot, run_tail_ = kNoSlot;
+  size_t active_count_ = 0;
+
+  std::vector<Peer> peers_;
+  std::atomic<uint32_t> next_peer_{0};
+  std::vector<PendingSocket> pending_;
+  std::vector<uint8_t> msg_;  // control message scratch
+
+  ImmCounterTable imm_;
+  RecvHandler recv_fn_ = nullptr;
+  void* recv_arg_ = nullptr;
+  std::vector<MemoryRegion> recv_mrs_;      // one per NIC
+  std::vector<std::unique_ptr<uint8_t[]>> recv_bufs_;
+
+  uint32_t first_nic_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<std::thread::id> worker_id_{};
+  std::thread worker_;
+  std::chrono::steady_clock::time_point last_activity_;
+  std::chrono::steady_clock::time_point last_timeout_scan_;
+  uint64_t dropped_imms_ = 0;
+};
+
+}  // namespace ponte

@@ -1,0 +1,71 @@
+// Config: PONTE_* variables parse, bad values are named in the error.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "core/config.h"
+
+using namespace ponte;
+
+class ConfigTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (const char* v : {"PONTE_BACKEND", "PONTE_STRIPE_MIN", "PONTE_TIMEOUT_MS", "PONTE_PROGRESS_CORES",
+                          "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS"})
+      unsetenv(v);
+  }
+};
+
+TEST_F(ConfigTest, Defaults) {
+  auto c = Config::from_env();
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->backend, BackendChoice::kAuto);
+  EXPECT_EQ(c->fabric_provider, "efa");
+  EXPECT_LE(c->timeout_ms, 30000u);
+  EXPECT_EQ(c->ib_gid_index, -1);
+}
+
+TEST_F(ConfigTest, ParsesValues) {
+  setenv("PONTE_BACKEND", "fabric", 1);
+  setenv("PONTE_STRIPE_MIN", "1m", 1);
+  setenv("PONTE_TIMEOUT_MS", "2500", 1);
+  setenv("PONTE_PROGRESS_CORES", "2,5,7", 1);
+  setenv("PONTE_IB_GID_INDEX", "3", 1);
+  setenv("PONTE_NICS", "4", 1);
+  auto c = Config::from_env();
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->backend, BackendChoice::kFabric);
+  EXPECT_EQ(c->stripe_min_bytes, size_t{1} << 20);
+  EXPECT_EQ(c->timeout_ms, 2500u);
+  EXPECT_EQ(c->progress_cores, (std::vector<int>{2, 5, 7}));
+  EXPECT_EQ(c->ib_gid_index, 3);
+  EXPECT_EQ(c->nics_per_group, 4);
+}
+
+TEST_F(ConfigTest, BadValuesNameTheVariable) {
+  struct Case {
+    const char* name;
+    const char* value;
+  } cases[] = {{"PONTE_BACKEND", "gpu"},       {"PONTE_STRIPE_MIN", "12q"},     {"PONTE_TIMEOUT_MS", "-1"},
+               {"PONTE_TIMEOUT_MS", "0"},       {"PONTE_PROGRESS_CORES", "1,,2"}, {"PONTE_IB_GID_INDEX", "x"},
+               {"PONTE_RECV_SIZE", "0"},        {"PONTE_LOG", "loud"},          {"PONTE_NICS", "99"}};
+  for (const auto& cs : cases) {
+    setenv(cs.name, cs.value, 1);
+    auto c = Config::from_env();
+    EXPECT_FALSE(c.ok()) << cs.name << "=" << cs.value;
+    if (!c.ok()) {
+      EXPECT_NE(std::string(c.status().message()).find(cs.name), std::string::npos) << c.status().message();
+    }
+    unsetenv(cs.name);
+  }
+}
+
+TEST(ParseSize, Suffixes) {
+  EXPECT_EQ(*parse_size("8"), 8u);
+  EXPECT_EQ(*parse_size("64k"), 65536u);
+  EXPECT_EQ(*parse_size("1m"), 1u << 20);
+  EXPECT_EQ(*parse_size("2g"), size_t{2} << 30);
+  EXPECT_FALSE(parse_size("").ok());
+  EXPECT_FALSE(parse_size("k").ok());
+  EXPECT_FALSE(parse_size("99999999999999999999g").ok());
+}
