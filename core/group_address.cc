@@ -24,9 +24,11 @@ std::vector<uint8_t> GroupAddress::encode() const {
   w.u8(ip_family);
   w.u16(port);
   w.bytes(std::span<const uint8_t>(ip, 16));
-  for (const auto& a : nic_addrs) {
-    w.u16(static_cast<uint16_t>(a.size()));
-    w.bytes(a);
+  for (size_t i = 0; i < nic_addrs.size(); i++) {
+    w.u16(static_cast<uint16_t>(nic_addrs[i].size()));
+    w.bytes(nic_addrs[i]);
+    w.u64(i < imm_rkey.size() ? imm_rkey[i] : 0);
+    w.u64(i < imm_base.size() ? imm_base[i] : 0);
   }
   w.patch_u16(2, static_cast<uint16_t>(w.size()));
   return out;
@@ -64,6 +66,9 @@ Result<GroupAddress> GroupAddress::decode(std::span<const uint8_t> bytes) {
     auto b = r.bytes(len);
     if (!r.ok() || len == 0) return Status(Code::kInvalidArgument, "group address: NIC %d address truncated or empty", i);
     a.nic_addrs.emplace_back(b.begin(), b.end());
+    a.imm_rkey.push_back(r.u64());
+    a.imm_base.push_back(r.u64());
+    if (!r.ok()) return Status(Code::kInvalidArgument, "group address: NIC %d entry truncated", i);
   }
   if (r.remaining() != 0) return Status(Code::kInvalidArgument, "group address: %zu trailing bytes", r.remaining());
   return a;

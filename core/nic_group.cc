@@ -56,18 +56,6 @@ Status NicGroup::start(const std::vector<int>& cores) {
   epoll_add(listen_fd_, kListenTag);
   epoll_add(wake_fd_, kWakeTag);
 
-  GroupAddress a;
-  a.engine_nonce = engine_nonce_;
-  a.group = static_cast<uint8_t>(index_);
-  a.backend = backend_;
-  a.ip_family = ctrl_.family;
-  memcpy(a.ip, ctrl_.ip, 16);
-  a.port = ctrl_.port;
-  for (auto& n : nics_) {
-    auto b = n->address();
-    a.nic_addrs.emplace_back(b.begin(), b.end());
-  }
-  address_bytes_ = a.encode();
 
   // Engine-owned receive buffers for two-sided messages, registered on their NIC.
   size_t bytes = static_cast<size_t>(cfg_.recv_buf_size) * cfg_.recv_buf_count;
@@ -88,6 +76,21 @@ Status NicGroup::start(const std::vector<int>& cores) {
     recv_mrs_.push_back(std::move(r));
   }
   post_recv_buffers();
+
+  GroupAddress a;
+  a.engine_nonce = engine_nonce_;
+  a.group = static_cast<uint8_t>(index_);
+  a.backend = backend_;
+  a.ip_family = ctrl_.family;
+  memcpy(a.ip, ctrl_.ip, 16);
+  a.port = ctrl_.port;
+  for (size_t i = 0; i < nics_.size(); i++) {
+    auto b = nics_[i]->address();
+    a.nic_addrs.emplace_back(b.begin(), b.end());
+    a.imm_rkey.push_back(recv_mrs_[i].nic_mrs[i].rkey);
+    a.imm_base.push_back(recv_mrs_[i].nic_mrs[i].remote_base);
+  }
+  address_bytes_ = a.encode();
 
   last_activity_ = Clock::now();
   last_timeout_scan_ = last_activity_;
@@ -710,8 +713,14 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
     case Op::kImm:
     case Op::kBarrier: {
       k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(pn));
+      // No payload, but a real local buffer and remote key: the peer's receive-buffer region,
+      // which a 0-byte write leaves untouched.
       WriteWr wr;
       wr.peer = p.nic_peer[k];
+      wr.local = recv_bufs_[k].get();
+      wr.desc = recv_mrs_[k].nic_mrs[k].desc;
+      wr.remote_addr = p.addr.imm_base[k];
+      wr.rkey = p.addr.imm_rkey[k];
       wr.imm = op.imm;
       wr.has_imm = true;
       wr.ctx = ctx;

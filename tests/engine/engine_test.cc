@@ -1,0 +1,556 @@
+// Engine integration tests: real processes, real providers (tcp;ofi_rxm and shm here; verbs in the
+// SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "core/engine.h"
+#include "core/group_address.h"
+#include "tests/engine/peer_process.h"
+
+using namespace ponte;
+using namespace ponte::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr size_t kRegion = (64u << 20) + 4096;
+
+uint8_t pattern(uint32_t seed, size_t i) { return static_cast<uint8_t>(seed * 131 + i * 7 + (i >> 9)); }
+void fill(uint8_t* p, size_t len, uint32_t seed, size_t pat_off = 0) {
+  for (size_t i = 0; i < len; i++) p[i] = pattern(seed, pat_off + i);
+}
+// Returns the first mismatching index, or SIZE_MAX.
+size_t check(const uint8_t* p, size_t len, uint32_t seed, size_t pat_off = 0) {
+  for (size_t i = 0; i < len; i++)
+    if (p[i] != pattern(seed, pat_off + i)) return i;
+  return SIZE_MAX;
+}
+
+struct Setup {
+  std::string name;
+  BackendChoice backend;
+  std::string provider;
+};
+
+std::vector<Setup> setups() {
+  const char* b = getenv("PONTE_TEST_BACKEND");
+  if (b && std::string(b) == "verbs") return {{"verbs", BackendChoice::kVerbs, ""}};
+  return {{"tcp_rxm", BackendChoice::kFabric, "tcp;ofi_rxm"}, {"shm", BackendChoice::kFabric, "shm"}};
+}
+
+Setup setup_by_name(const std::string& n) {
+  for (auto& s : setups())
+    if (s.name == n) return s;
+  return setups()[0];
+}
+
+Config test_config(const Setup& s) {
+  Config c = global_config();
+  c.backend = s.backend;
+  if (!s.provider.empty()) c.fabric_provider = s.provider;
+  c.timeout_ms = 5000;
+  c.ctrl_addr = "127.0.0.1";
+  return c;
+}
+
+// Devices for side 'A' (the test) or 'B' (peers): PONTE_TEST_DEVS_A/B name them (the SoftRoCE guest:
+// rxe0,rxe2 / rxe1,rxe3); otherwise device 0, opened once per NIC.
+std::vector<size_t> pick_devices(const Config& cfg, char side, int nics) {
+  const char* names = getenv(side == 'A' ? "PONTE_TEST_DEVS_A" : "PONTE_TEST_DEVS_B");
+  std::vector<size_t> out;
+  if (names && *names) {
+    auto be = cfg.backend == BackendChoice::kVerbs ? open_verbs_backend(cfg) : open_fabric_backend(cfg);
+    if (be.ok()) {
+      std::vector<size_t> named;
+      std::stringstream ss(names);
+      std::string n;
+      while (std::getline(ss, n, ','))
+        for (size_t i = 0; i < (*be)->devices().size(); i++)
+          if ((*be)->devices()[i].name.rfind(n, 0) == 0) named.push_back(i);
+      for (int k = 0; k < nics && !named.empty(); k++) out.push_back(named[k % named.size()]);
+    }
+  }
+  while (static_cast<int>(out.size()) < nics) out.push_back(0);
+  return out;
+}
+
+Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics, uint32_t timeout_ms = 5000) {
+  EngineOptions o;
+  o.config = test_config(s);
+  o.config.timeout_ms = timeout_ms;
+  o.groups = {pick_devices(o.config, side, nics)};
+  return Engine::create(o);
+}
+
+// ---------------------------------------------------------------- the peer process
+// Commands (text lines over the channel), each answered "ok" or an error text:
+//   expect V N       wait for N immediates of value V        expectw V LEN N: N writes of LEN
+//   check OFF LEN SEED PATOFF   verify the buffer (retries until a deadline: plain writes)
+//   fill OFF LEN SEED           write a pattern into the buffer
+//   recv N                      wait for N two-sided messages (each verified by its seed)
+//   exit
+
+struct RecvState {
+  std::atomic<int> good{0};
+  std::atomic<int> bad{0};
+};
+
+void on_recv(void* arg, PeerId, std::span<const uint8_t> data) {
+  auto* st = static_cast<RecvState*>(arg);
+  if (data.size() < 4) {
+    st->bad++;
+    return;
+  }
+  uint32_t seed;
+  memcpy(&seed, data.data(), 4);
+  if (check(data.data() + 4, data.size() - 4, seed) == SIZE_MAX) st->good++;
+  else st->bad++;
+}
+
+int run_peer(int argc, char** argv) {
+  Channel ch(3);
+  if (argc < 4) return 2;
+  Setup s = setup_by_name(argv[2]);
+  int nics = atoi(argv[3]);
+  auto eng = make_engine(s, 'B', nics);
+  if (!eng.ok()) {
+    ch.send_str(std::string("engine: ") + eng.status().message());
+    return 3;
+  }
+  Engine& e = **eng;
+  static uint8_t* buf = static_cast<uint8_t*>(aligned_alloc(4096, kRegion));
+  memset(buf, 0, kRegion);
+  auto mr = e.register_memory(0, buf, kRegion);
+  if (!mr.ok()) {
+    ch.send_str(std::string("register: ") + mr.status().message());
+    return 4;
+  }
+  RecvState rs;
+  e.set_recv_handler(0, on_recv, &rs);
+  ch.send(e.address(0));
+  ch.send(mr->remote().encode());
+  auto peer_of_parent = [&]() -> PeerId {
+    for (int i = 0; i < 5000; i++) {
+      auto ps = e.peers(0);
+      for (PeerId p : ps)
+        if (e.peer_ready(0, p)) return p;
+      std::this_thread::sleep_for(1ms);
+    }
+    return kAnyPeer;
+  };
+  std::string cmd;
+  while (ch.recv_str(&cmd, 120000)) {
+    std::istringstream in(cmd);
+    std::string op;
+    in >> op;
+    if (op == "exit") return 0;
+    if (op == "expect" || op == "expectw") {
+      uint32_t v = 0, n = 0;
+      size_t len = 0;
+      in >> v;
+      if (op == "expectw") in >> len;
+      in >> n;
+      PeerId from = peer_of_parent();
+      if (op == "expectw") n *= e.imms_per_write(0, from, len);
+      Flag f;
+      Status st = e.expect_imm(0, v, n, from == kAnyPeer ? kAnyPeer : from, f.notify());
+      if (st.ok()) st = f.wait(30s);
+      ch.send_str(st.ok() ? "ok" : std::string("expect: ") + st.message());
+    } else if (op == "check") {
+      size_t off, len, patoff;
+      uint32_t seed;
+      in >> off >> len >> seed >> patoff;
+      size_t bad = SIZE_MAX;
+      for (int tries = 0; tries < 2000; tries++) {
+        bad = check(buf + off, len, seed, patoff);
+        if (bad == SIZE_MAX) break;
+        std::this_thread::sleep_for(5ms);
+      }
+      ch.send_str(bad == SIZE_MAX ? "ok" : "mismatch at byte " + std::to_string(bad) + " of " + std::to_string(len));
+    } else if (op == "fill") {
+      size_t off, len;
+      uint32_t seed;
+      in >> off >> len >> seed;
+      fill(buf + off, len, seed);
+      ch.send_str("ok");
+    } else if (op == "recv") {
+      int n = 0;
+      in >> n;
+      auto deadline = std::chrono::steady_clock::now() + 30s;
+      while (rs.good + rs.bad < n && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+      ch.send_str(rs.bad == 0 && rs.good == n ? "ok"
+                                               : "recv: good " + std::to_string(rs.good) + " bad " + std::to_string(rs.bad));
+      rs.good = 0;
+    } else {
+      ch.send_str("unknown command " + op);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- the test side
+
+class Peer {
+ public:
+  Peer(const Setup& s, int nics) : proc_({s.name, std::to_string(nics)}) {}
+  bool start(std::string* err) {
+    std::vector<uint8_t> a, r;
+    if (!proc_.channel().recv(&a, 30000)) return (*err = "peer sent no address", false);
+    if (!proc_.channel().recv(&r, 30000)) return (*err = "peer sent no region", false);
+    addr_ = a;
+    auto rr = RemoteRegion::decode(r);
+    if (!rr.ok()) return (*err = std::string(a.begin(), a.end()), false);
+    region_ = *rr;
+    return true;
+  }
+  std::string cmd(const std::string& c, int timeout_ms = 60000) {
+    if (!proc_.channel().send_str(c)) return "peer gone";
+    std::string reply;
+    if (!proc_.channel().recv_str(&reply, timeout_ms)) return "no reply to '" + c + "'";
+    return reply;
+  }
+  const std::vector<uint8_t>& address() const { return addr_; }
+  const RemoteRegion& region() const { return region_; }
+  PeerProcess& process() { return proc_; }
+
+ private:
+  PeerProcess proc_;
+  std::vector<uint8_t> addr_;
+  RemoteRegion region_;
+};
+
+class EngineTest : public ::testing::TestWithParam<Setup> {
+ protected:
+  // Starts `peers` peer processes and this side's engine with `nics` NICs, connected to each.
+  void start(int peers = 1, int nics = 1) {
+    for (int i = 0; i < peers; i++) peers_.push_back(std::make_unique<Peer>(GetParam(), nics));
+    auto e = make_engine(GetParam(), 'A', nics);
+    ASSERT_TRUE(e.ok()) << e.status().message();
+    eng_ = std::move(e.value());
+    src_ = static_cast<uint8_t*>(aligned_alloc(4096, kRegion));
+    ASSERT_NE(src_, nullptr);
+    auto mr = eng_->register_memory(0, src_, kRegion);
+    ASSERT_TRUE(mr.ok()) << mr.status().message();
+    mr_ = std::move(mr.value());
+    for (auto& p : peers_) {
+      std::string err;
+      ASSERT_TRUE(p->start(&err)) << err;
+      auto id = eng_->connect(0, p->address());
+      ASSERT_TRUE(id.ok()) << id.status().message();
+      ids_.push_back(*id);
+    }
+    for (PeerId id : ids_) {
+      auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!eng_->peer_ready(0, id) && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+      ASSERT_TRUE(eng_->peer_ready(0, id)) << "handshake with peer " << id << " did not complete";
+    }
+  }
+  void TearDown() override {
+    for (auto& p : peers_) p->cmd("exit", 5000);
+    if (eng_ && mr_.id) {
+      EXPECT_TRUE(eng_->deregister(mr_).ok());
+    }
+    eng_.reset();
+    peers_.clear();
+    free(src_);
+  }
+  std::unique_ptr<Engine> eng_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<PeerId> ids_;
+  uint8_t* src_ = nullptr;
+  MemoryRegion mr_;
+};
+
+// Counts completions of many operations without allocating a Flag each.
+struct Counter {
+  std::atomic<int> ok{0}, failed{0};
+  static void fire(void* arg, const Status& st) {
+    auto* c = static_cast<Counter*>(arg);
+    if (st.ok()) c->ok++;
+    else c->failed++;
+  }
+  Notify notify() { return Notify{&Counter::fire, this}; }
+  bool wait_total(int n, std::chrono::milliseconds t) {
+    auto deadline = std::chrono::steady_clock::now() + t;
+    while (ok + failed < n && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(100us);
+    return ok + failed >= n;
+  }
+};
+
+TEST_P(EngineTest, WriteWithImmediateAllSizesVerified) {
+  start();
+  const size_t sizes[] = {0, 1, 4093, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
+  uint32_t v = 100;
+  for (size_t len : sizes) {
+    uint32_t seed = static_cast<uint32_t>(len + 3);
+    fill(src_ + 4096, len, seed);
+    Flag f;
+    ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 4096, len}, peers_[0]->region(), 0, v, f.notify()).ok());
+    EXPECT_EQ(peers_[0]->cmd("expectw " + std::to_string(v) + " " + std::to_string(len) + " 1"), "ok") << len;
+    ASSERT_TRUE(f.wait(30s).ok()) << f.status().message();
+    EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(len) + " " + std::to_string(seed) + " 0"), "ok") << len;
+    v++;
+  }
+}
+
+TEST_P(EngineTest, PlainWriteThenImmediateAlone) {
+  start();
+  fill(src_, 1 << 20, 9);
+  Flag w, i;
+  ASSERT_TRUE(eng_->write(0, ids_[0], LocalSlice{&mr_, 0, 1 << 20}, peers_[0]->region(), 8192, w.notify()).ok());
+  ASSERT_TRUE(w.wait(30s).ok()) << w.status().message();
+  ASSERT_TRUE(eng_->imm(0, ids_[0], 4242, i.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expect 4242 1"), "ok");
+  EXPECT_TRUE(i.wait(30s).ok());
+  EXPECT_EQ(peers_[0]->cmd("check 8192 1048576 9 0"), "ok");
+}
+
+TEST_P(EngineTest, ThousandsInFlight) {
+  start();
+  constexpr int kOps = 4000;
+  constexpr size_t kLen = 4096;
+  fill(src_, kOps * kLen, 21);
+  Counter c;
+  for (int k = 0; k < kOps; k++) {
+    Status st;
+    do {
+      st = eng_->write_imm(0, ids_[0], LocalSlice{&mr_, k * kLen, kLen}, peers_[0]->region(), k * kLen, 5, c.notify());
+      if (st.code() == Code::kAgain) std::this_thread::sleep_for(10us);
+    } while (st.code() == Code::kAgain);
+    ASSERT_TRUE(st.ok()) << st.message();
+  }
+  EXPECT_EQ(peers_[0]->cmd("expectw 5 4096 " + std::to_string(kOps)), "ok");
+  ASSERT_TRUE(c.wait_total(kOps, 30s));
+  EXPECT_EQ(c.failed, 0);
+  EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(kOps * kLen) + " 21 0"), "ok");
+}
+
+TEST_P(EngineTest, StripesOverTwoNics) {
+  start(1, 2);
+  EXPECT_EQ(eng_->nics_in_group(0), 2);
+  EXPECT_EQ(eng_->peer_nics(0, ids_[0]), 2);
+  EXPECT_EQ(eng_->imms_per_write(0, ids_[0], 8 << 20), 2u);
+  EXPECT_EQ(eng_->imms_per_write(0, ids_[0], 4096), 1u);
+  for (size_t len : {size_t{8 << 20} + 100, size_t{64 << 20}}) {
+    uint32_t seed = static_cast<uint32_t>(len);
+    fill(src_, len, seed);
+    Flag f;
+    ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, len}, peers_[0]->region(), 0, 77, f.notify()).ok());
+    EXPECT_EQ(peers_[0]->cmd("expectw 77 " + std::to_string(len) + " 1"), "ok");
+    ASSERT_TRUE(f.wait(30s).ok()) << f.status().message();
+    EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(len) + " " + std::to_string(seed) + " 0"), "ok");
+  }
+}
+
+TEST_P(EngineTest, SendReceivesIntoEngineBuffers) {
+  start();
+  constexpr int kMsgs = 200;
+  Counter c;
+  size_t off = 0;
+  for (int k = 0; k < kMsgs; k++) {
+    size_t len = 4 + (static_cast<size_t>(k) * 997) % (64 * 1024 - 4);
+    uint32_t seed = 1000 + k;
+    memcpy(src_ + off, &seed, 4);
+    fill(src_ + off + 4, len - 4, seed);
+    Status st;
+    do {
+      st = eng_->send(0, ids_[0], LocalSlice{&mr_, off, len}, c.notify());
+    } while (st.code() == Code::kAgain);
+    ASSERT_TRUE(st.ok()) << st.message();
+    off += len;
+  }
+  ASSERT_TRUE(c.wait_total(kMsgs, 30s));
+  EXPECT_EQ(c.failed, 0);
+  EXPECT_EQ(peers_[0]->cmd("recv " + std::to_string(kMsgs)), "ok");
+  // Larger than a receive buffer: refused up front.
+  Flag f;
+  EXPECT_EQ(eng_->send(0, ids_[0], LocalSlice{&mr_, 0, 1 << 20}, f.notify()).code(), Code::kInvalidArgument);
+}
+
+TEST_P(EngineTest, ReadFetchesRemoteBytes) {
+  start();
+  EXPECT_EQ(peers_[0]->cmd("fill 4096 1048576 55"), "ok");
+  memset(src_, 0, 1 << 20);
+  Flag f;
+  ASSERT_TRUE(eng_->read(0, ids_[0], LocalSlice{&mr_, 0, 1 << 20}, peers_[0]->region(), 4096, f.notify()).ok());
+  ASSERT_TRUE(f.wait(30s).ok()) << f.status().message();
+  EXPECT_EQ(check(src_, 1 << 20, 55), SIZE_MAX);
+}
+
+TEST_P(EngineTest, PagedWriteMovesEachPage) {
+  start();
+  constexpr size_t kPage = 16384;
+  fill(src_, 64 * kPage, 31);
+  std::vector<uint32_t> src_pages = {5, 1, 9, 63, 0, 17, 2, 40};
+  std::vector<uint32_t> dst_pages = {0, 3, 6, 9, 12, 15, 18, 21};
+  uint32_t imm = 808;
+  Flag f;
+  ASSERT_TRUE(eng_->paged_write(0, ids_[0], mr_, src_pages, peers_[0]->region(), dst_pages, kPage, &imm, f.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expect 808 " + std::to_string(src_pages.size())), "ok");
+  ASSERT_TRUE(f.wait(30s).ok());
+  for (size_t i = 0; i < src_pages.size(); i++)
+    EXPECT_EQ(peers_[0]->cmd("check " + std::to_string(dst_pages[i] * kPage) + " " + std::to_string(kPage) + " 31 " +
+                             std::to_string(src_pages[i] * kPage)),
+              "ok")
+        << "page " << i;
+  // A page past either region is refused before anything moves.
+  std::vector<uint32_t> bad = {100000};
+  std::vector<uint32_t> one = {0};
+  EXPECT_EQ(eng_->paged_write(0, ids_[0], mr_, bad, peers_[0]->region(), one, kPage, &imm, f.notify()).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(eng_->paged_write(0, ids_[0], mr_, one, peers_[0]->region(), bad, kPage, &imm, f.notify()).code(),
+            Code::kInvalidArgument);
+}
+
+TEST_P(EngineTest, ScatterAndBarrierReachEveryPeer) {
+  start(2);
+  fill(src_, 3 << 20, 44);
+  std::vector<ScatterTarget> targets = {
+      {ids_[0], 0, 1 << 20, &peers_[0]->region(), 0},
+      {ids_[1], 1 << 20, 1 << 20, &peers_[1]->region(), 4096},
+      {ids_[0], 2 << 20, 1000, &peers_[0]->region(), 2 << 20},
+  };
+  uint32_t imm = 606;
+  Flag f;
+  ASSERT_TRUE(eng_->scatter(0, mr_, targets, &imm, f.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expect 606 2"), "ok");
+  EXPECT_EQ(peers_[1]->cmd("expect 606 1"), "ok");
+  ASSERT_TRUE(f.wait(30s).ok());
+  EXPECT_EQ(peers_[0]->cmd("check 0 1048576 44 0"), "ok");
+  EXPECT_EQ(peers_[1]->cmd("check 4096 1048576 44 1048576"), "ok");
+  EXPECT_EQ(peers_[0]->cmd("check 2097152 1000 44 2097152"), "ok");
+  Flag b;
+  ASSERT_TRUE(eng_->barrier(0, ids_, 707, b.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expect 707 1"), "ok");
+  EXPECT_EQ(peers_[1]->cmd("expect 707 1"), "ok");
+  EXPECT_TRUE(b.wait(30s).ok());
+}
+
+TEST_P(EngineTest, ConnectsToItself) {
+  auto e = make_engine(GetParam(), 'A', 1);
+  ASSERT_TRUE(e.ok()) << e.status().message();
+  Engine& eng = **e;
+  std::vector<uint8_t> a(1 << 20), b(1 << 20, 0);
+  auto ma = eng.register_memory(0, a.data(), a.size());
+  auto mb = eng.register_memory(0, b.data(), b.size());
+  ASSERT_TRUE(ma.ok() && mb.ok());
+  auto self = eng.connect(0, eng.address(0));
+  ASSERT_TRUE(self.ok()) << self.status().message();
+  fill(a.data(), a.size(), 3);
+  Flag arrived, written;
+  ASSERT_TRUE(eng.expect_imm(0, 11, eng.imms_per_write(0, *self, a.size()), kAnyPeer, arrived.notify()).ok());
+  ASSERT_TRUE(eng.write_imm(0, *self, LocalSlice{&*ma, 0, a.size()}, mb->remote(), 0, 11, written.notify()).ok());
+  ASSERT_TRUE(written.wait(30s).ok()) << written.status().message();
+  ASSERT_TRUE(arrived.wait(30s).ok()) << arrived.status().message();
+  EXPECT_EQ(check(b.data(), b.size(), 3), SIZE_MAX);
+  EXPECT_TRUE(eng.deregister(*ma).ok());
+  EXPECT_TRUE(eng.deregister(*mb).ok());
+}
+
+TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
+  start();
+  fill(src_, 64 << 20, 1);
+  Counter writes;
+  Flag expect;
+  ASSERT_TRUE(eng_->expect_imm(0, 999, 1, ids_[0], expect.notify(), 60000).ok());
+  int posted = 0;
+  for (int k = 0; k < 64; k++) {
+    Status st = eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, 64 << 20}, peers_[0]->region(), 0, 1, writes.notify());
+    if (st.ok()) posted++;
+  }
+  peers_[0]->process().kill();
+  EXPECT_EQ(peers_[0]->process().wait_exit(5000), -1);  // killed, not exited
+  auto t0 = std::chrono::steady_clock::now();
+  // Everything ends within the timeout (5 s) plus slack: the dead peer's writes fail, its counter fails.
+  ASSERT_TRUE(writes.wait_total(posted, 20s)) << "writes to a dead peer hung";
+  ASSERT_TRUE(expect.wait(20s).code() != Code::kTimeout || expect.done()) << "counter on a dead peer hung";
+  EXPECT_TRUE(expect.done());
+  EXPECT_EQ(expect.status().code(), Code::kPeerDead) << expect.status().message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  EXPECT_TRUE(eng_->peer_dead(0, ids_[0]));
+  Flag after;
+  EXPECT_EQ(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, 8}, peers_[0]->region(), 0, 1, after.notify()).code(),
+            Code::kPeerDead);
+  peers_.clear();
+  // The engine still serves other peers.
+  peers_.push_back(std::make_unique<Peer>(GetParam(), 1));
+  std::string err;
+  ASSERT_TRUE(peers_[0]->start(&err)) << err;
+  auto id = eng_->connect(0, peers_[0]->address());
+  ASSERT_TRUE(id.ok());
+  fill(src_, 4096, 8);
+  Flag f;
+  ASSERT_TRUE(eng_->write_imm(0, *id, LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, 12, f.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expectw 12 4096 1"), "ok");
+  EXPECT_TRUE(f.wait(30s).ok()) << f.status().message();
+  EXPECT_EQ(peers_[0]->cmd("check 0 4096 8 0"), "ok");
+}
+
+TEST_P(EngineTest, BadInputIsRefusedClearly) {
+  start();
+  Flag f;
+  auto addr = peers_[0]->address();
+  // Addresses: truncated, foreign, zeros, another backend's.
+  EXPECT_EQ(eng_->connect(0, std::span<const uint8_t>(addr.data(), addr.size() - 1)).status().code(), Code::kInvalidArgument);
+  auto region_bytes = peers_[0]->region().encode();
+  EXPECT_EQ(eng_->connect(0, region_bytes).status().code(), Code::kInvalidArgument);
+  std::vector<uint8_t> zeros(64, 0);
+  EXPECT_EQ(eng_->connect(0, zeros).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->connect(7, addr).status().code(), Code::kInvalidArgument);
+  // Descriptors and ranges.
+  EXPECT_FALSE(RemoteRegion::decode(std::span<const uint8_t>(region_bytes.data(), 10)).ok());
+  RemoteRegion r = peers_[0]->region();
+  EXPECT_EQ(eng_->write(0, ids_[0], LocalSlice{&mr_, 0, 4096}, r, r.len - 100, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->write(0, ids_[0], LocalSlice{&mr_, kRegion - 10, 4096}, r, 0, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->write(0, ids_[0], LocalSlice{&mr_, SIZE_MAX - 5, 10}, r, 0, f.notify()).code(), Code::kInvalidArgument);
+  RemoteRegion nokeys;
+  EXPECT_EQ(eng_->write(0, ids_[0], LocalSlice{&mr_, 0, 0}, nokeys, 0, f.notify()).code(), Code::kInvalidArgument);
+  // Unregistered memory, unknown peer, unknown group.
+  MemoryRegion unregistered;
+  EXPECT_EQ(eng_->write(0, ids_[0], LocalSlice{&unregistered, 0, 8}, r, 0, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->write(0, 4000, LocalSlice{&mr_, 0, 8}, r, 0, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->write(3, ids_[0], LocalSlice{&mr_, 0, 8}, r, 0, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(eng_->expect_imm(0, 1, 0, kAnyPeer, f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(eng_->register_memory(0, nullptr, 10).ok());
+  EXPECT_FALSE(f.done());  // nothing refused fired its Notify
+  // A peer that does not listen: the connection fails, operations to it end with an error.
+  GroupAddress dead_addr = GroupAddress::decode(addr).value();
+  dead_addr.port = 1;  // nothing listens on port 1
+  dead_addr.engine_nonce ^= 1;
+  auto dead = eng_->connect(0, dead_addr.encode());
+  ASSERT_TRUE(dead.ok());
+  Flag w;
+  Status st = eng_->write(0, *dead, LocalSlice{&mr_, 0, 8}, r, 0, w.notify());
+  if (st.ok()) {
+    ASSERT_TRUE(w.wait(20s).code() != Code::kTimeout || w.done());
+    EXPECT_FALSE(w.status().ok());
+  } else {
+    EXPECT_EQ(st.code(), Code::kPeerDead);
+  }
+  // And the good peer still works.
+  fill(src_, 4096, 77);
+  Flag ok;
+  ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, 4096}, r, 0, 3, ok.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expectw 3 4096 1"), "ok");
+  EXPECT_TRUE(ok.wait(30s).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(setups()),
+                         [](const ::testing::TestParamInfo<Setup>& i) { return i.param.name; });
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Tests stay on loopback: libfabric's tcp provider would otherwise pick eth0.
+  setenv("FI_TCP_IFACE", "lo", 0);
+  setenv("FI_SOCKETS_IFACE", "lo", 0);
+  if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,128 @@
+// PeerProcess: a forked process running its own engine for integration tests, with a socketpair
+// to exchange addresses and verdicts. The child never runs GoogleTest assertions: it reports.
+#pragma once
+
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <poll.h>
+#include <string>
+#include <vector>
+
+namespace ponte::test {
+
+// Length-prefixed messages over a stream socket, with a deadline on reads.
+class Channel {
+ public:
+  explicit Channel(int fd = -1) : fd_(fd) {}
+  int fd() const { return fd_; }
+  bool send(const std::vector<uint8_t>& m) const {
+    uint32_t n = static_cast<uint32_t>(m.size());
+    return write_all(&n, 4) && write_all(m.data(), m.size());
+  }
+  bool send_str(const std::string& s) const { return send(std::vector<uint8_t>(s.begin(), s.end())); }
+  // Empty optional-like: returns false on EOF or timeout.
+  bool recv(std::vector<uint8_t>* m, int timeout_ms = 60000) const {
+    uint32_t n = 0;
+    if (!read_all(&n, 4, timeout_ms)) return false;
+    m->resize(n);
+    return read_all(m->data(), n, timeout_ms);
+  }
+  bool recv_str(std::string* s, int timeout_ms = 60000) const {
+    std::vector<uint8_t> m;
+    if (!recv(&m, timeout_ms)) return false;
+    s->assign(m.begin(), m.end());
+    return true;
+  }
+
+ private:
+  bool write_all(const void* p, size_t n) const {
+    const char* c = static_cast<const char*>(p);
+    while (n) {
+      ssize_t w = ::write(fd_, c, n);
+      if (w <= 0) return false;
+      c += w;
+      n -= static_cast<size_t>(w);
+    }
+    return true;
+  }
+  bool read_all(void* p, size_t n, int timeout_ms) const {
+    char* c = static_cast<char*>(p);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (n) {
+      int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      deadline - std::chrono::steady_clock::now()).count());
+      if (left <= 0) return false;
+      pollfd pfd{fd_, POLLIN, 0};
+      if (::poll(&pfd, 1, left) <= 0) continue;
+      ssize_t r = ::read(fd_, c, n);
+      if (r <= 0) return false;
+      c += r;
+      n -= static_cast<size_t>(r);
+    }
+    return true;
+  }
+  int fd_;
+};
+
+class PeerProcess {
+ public:
+  // Starts this test binary again as a peer: `exe --ponte-peer ARGS...` with the channel on fd 3.
+  // (fork + exec at once: the parent may already run engine threads, and a forked copy of a
+  // threaded libfabric is not safe to use.)
+  explicit PeerProcess(const std::vector<std::string>& args) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return;
+    std::vector<std::string> argv_s = {"/proc/self/exe", "--ponte-peer"};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(sv[1], 3);  // dup2 clears close-on-exec on fd 3
+      execv("/proc/self/exe", argv.data());
+      _exit(127);
+    }
+    ::close(sv[1]);
+    ch_ = Channel(sv[0]);
+  }
+  ~PeerProcess() {
+    if (pid_ > 0) {
+      kill();
+      wait_exit(5000);
+    }
+    if (ch_.fd() >= 0) ::close(ch_.fd());
+  }
+  bool started() const { return pid_ > 0; }
+  Channel& channel() { return ch_; }
+  void kill() {
+    if (pid_ > 0) ::kill(pid_, SIGKILL);
+  }
+  // Exit status (>= 0) or -1 on timeout / signal.
+  int wait_exit(int timeout_ms) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (pid_ > 0) {
+      int st = 0;
+      pid_t r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return -1;
+      usleep(2000);
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  Channel ch_;
+};
+
+}  // namespace ponte::test
