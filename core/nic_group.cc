@@ -558,9 +558,8 @@ bool NicGroup::drain_queue() {
     if (!op) break;
     if (op->type != Op::kExpect && op->type != Op::kCall && op->type != Op::kConnect && free_slots_.empty())
       break;  // back-pressure: leave it queued until a slot frees
-    Op copy = *op;
+    start_op(*op);  // reads the entry in place; it stays ours until pop()
     queue_.pop();
-    start_op(copy);
     did = true;
   }
   return did;
