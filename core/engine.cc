@@ -8,6 +8,7 @@
 #include "core/group_address.h"
 #include "core/log.h"
 #include "core/nic_group.h"
+#include "core/topology_layout.h"
 
 namespace ponte {
 
@@ -17,6 +18,7 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<NicGroup>> groups;
   uint64_t nonce = 0;
   std::atomic<uint64_t> next_mr_id{1};
+  std::vector<std::string> group_gpus;
 
   NicGroup* group(int g) const {
     return (g >= 0 && g < static_cast<int>(groups.size())) ? groups[g].get() : nullptr;
@@ -69,6 +71,15 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
   im.nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
 
   auto groups = im.opts.groups;
+  if (groups.empty() && im.opts.per_gpu_groups) {
+    PONTE_ASSIGN_OR_RETURN(auto layout, gpu_layout(devs, cfg));
+    im.opts.group_cores.clear();
+    for (auto& l : layout) {
+      groups.push_back(l.devices);
+      im.opts.group_cores.push_back(cfg.progress_cores.empty() ? l.cores : std::vector<int>{});
+      im.group_gpus.push_back(l.gpu_pci);
+    }
+  }
   if (groups.empty()) {
     size_t n = cfg.nics_per_group ? static_cast<size_t>(cfg.nics_per_group) : std::min<size_t>(devs.size(), kMaxNicsPerGroup);
     std::vector<size_t> g;
@@ -89,13 +100,17 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
     auto grp = std::make_unique<NicGroup>(static_cast<int>(gi), cfg, std::move(nics), im.backend->kind(), im.nonce);
     std::vector<int> cores;
     if (gi < im.opts.group_cores.size()) cores = im.opts.group_cores[gi];
-    else if (!cfg.progress_cores.empty()) cores = {cfg.progress_cores[gi % cfg.progress_cores.size()]};
+    if (cores.empty() && !cfg.progress_cores.empty()) cores = {cfg.progress_cores[gi % cfg.progress_cores.size()]};
     PONTE_RETURN_IF_ERROR(grp->start(cores));
     PONTE_LOG_INFO("group %zu: %zu NICs over %s (%s), first %s", gi, g.size(), backend_name(im.backend->kind()),
                    devs[g[0]].provider.c_str(), devs[g[0]].name.c_str());
     im.groups.push_back(std::move(grp));
   }
   return e;
+}
+
+std::string Engine::group_gpu(int group) const {
+  return (group >= 0 && static_cast<size_t>(group) < impl_->group_gpus.size()) ? impl_->group_gpus[group] : std::string();
 }
 
 BackendKind Engine::backend() const { return impl_->backend->kind(); }

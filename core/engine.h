@@ -60,6 +60,10 @@ struct EngineOptions {
   // Each entry lists device indexes of the backend (repeating an index opens that device again).
   std::vector<std::vector<size_t>> groups;
   std::vector<std::vector<int>> group_cores;  // pin group i's worker to these cores (optional)
+  // With groups empty: true builds one group per GPU from the topology (hwloc, or PONTE_TOPO_FILE),
+  // each GPU's nearest NICs matched by PCI bus id and its worker pinned near it; false (default)
+  // one host-memory group.
+  bool per_gpu_groups = false;
 };
 
 class Engine {
@@ -74,6 +78,8 @@ class Engine {
   int num_groups() const;
   int nics_in_group(int group) const;
   const NicInfo& nic_info(int group, int nic) const;
+  // The PCI bus id of the GPU a group serves ("" for a host-memory group).
+  std::string group_gpu(int group) const;
 
   // The group's address: versioned bytes a peer passes to connect().
   std::vector<uint8_t> address(int group) const;
