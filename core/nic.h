@@ -94,6 +94,7 @@ class Nic {
   virtual Result<NicPeer> add_peer(std::span<const uint8_t> peer_address) = 0;
   virtual Result<std::vector<uint8_t>> connect_blob(NicPeer peer) = 0;
   virtual Status complete_connect(NicPeer peer, std::span<const uint8_t> peer_blob) = 0;
+  // Operations still outstanding toward the peer complete with kCancelled at later polls.
   virtual void remove_peer(NicPeer peer) = 0;
 
   virtual Result<NicMr> register_memory(const MemoryDesc& mem) = 0;

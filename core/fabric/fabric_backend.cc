@@ -1,0 +1,123 @@
+// fi_getinfo for ponte's needs, the device list, and open_fabric_backend().
+#include "core/fabric/fabric_backend.h"
+
+#include <rdma/fi_domain.h>
+#include <rdma/fi_errno.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "core/fabric/fabric_endpoint.h"
+
+namespace ponte {
+namespace fabric {
+namespace {
+
+constexpr uint64_t kCaps =
+    FI_MSG | FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+// What ponte can live with: contexts are always fi_context2-sized; FI_RX_CQ_DATA is handled by
+// reposting the consumed receive.
+constexpr uint64_t kModes = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+constexpr int kMrModes =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
+
+// fi_getinfo for provider with or without FI_HMEM. *out is the list (free with freeinfo).
+int query(const FabricLibrary& lib, const std::string& provider, bool hmem, struct fi_info** out) {
+  struct fi_info* hints = lib.allocinfo();
+  if (hints == nullptr) return -FI_ENOMEM;
+  hints->caps = kCaps | (hmem ? FI_HMEM : 0);
+  hints->mode = kModes;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->domain_attr->mr_mode = kMrModes;
+  // Remote CQ data is asked for by size: FI_REMOTE_CQ_DATA in caps makes fi_getinfo fail (-61).
+  hints->domain_attr->cq_data_size = 4;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->av_type = FI_AV_TABLE;
+  hints->fabric_attr->prov_name = strdup(provider.c_str());  // freed by freeinfo
+  int rc = lib.getinfo(lib.api_version, nullptr, nullptr, 0, hints, out);
+  lib.freeinfo(hints);
+  return rc;
+}
+
+NicInfo describe(const struct fi_info& info) {
+  NicInfo out;
+  out.name = info.domain_attr->name ? info.domain_attr->name : "";
+  out.provider = info.fabric_attr->prov_name ? info.fabric_attr->prov_name : "";
+  if (info.nic != nullptr && info.nic->bus_attr != nullptr &&
+      info.nic->bus_attr->bus_type == FI_BUS_PCI) {
+    const struct fi_pci_attr& pci = info.nic->bus_attr->attr.pci;
+    char bdf[32];
+    snprintf(bdf, sizeof(bdf), "%04x:%02x:%02x.%x", pci.domain_id, pci.bus_id, pci.device_id,
+             pci.function_id);
+    out.pci_bus_id = bdf;
+  }
+  if (info.nic != nullptr && info.nic->link_attr != nullptr) {
+    out.speed_mbps = info.nic->link_attr->speed / 1000000;  // bits per second -> Mbps
+  }
+  out.max_msg_size = info.ep_attr->max_msg_size;
+  out.max_inline = info.tx_attr->inject_size;
+  out.virt_addr = (info.domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+  out.device_memory = (info.caps & FI_HMEM) != 0;
+#ifdef FI_MR_DMABUF
+  out.dmabuf = out.device_memory;
+#else
+  out.dmabuf = false;
+#endif
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
+  PONTE_ASSIGN_OR_RETURN(
+      const FabricLibrary* lib,
+      load_fabric_library(fabric_library_candidates(cfg.fabric_lib), !cfg.fabric_lib.empty()));
+  const std::string provider = cfg.fabric_provider.empty() ? "efa" : cfg.fabric_provider;
+  struct fi_info* list = nullptr;
+  int rc = query(*lib, provider, /*hmem=*/true, &list);
+  if (rc == -FI_ENODATA) rc = query(*lib, provider, /*hmem=*/false, &list);
+  if (rc != 0) {
+    return Status(Code::kUnavailable,
+                  "libfabric provider '%.24s' has no RDM endpoint with RMA + CQ data: %s",
+                  provider.c_str(), lib->error_text(rc));
+  }
+  std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg.max_inflight));
+  for (struct fi_info* it = list; it != nullptr; it = it->next) {
+    if (it->domain_attr == nullptr || it->domain_attr->name == nullptr) continue;
+    bool seen = false;
+    for (const NicInfo& d : backend->devices_) seen = seen || d.name == it->domain_attr->name;
+    if (seen) continue;  // e.g. tcp offers IPv4 and IPv6 fabrics on one interface: keep the first
+    struct fi_info* copy = lib->dupinfo(it);
+    if (copy == nullptr) continue;
+    backend->infos_.push_back(copy);
+    backend->devices_.push_back(describe(*copy));
+  }
+  lib->freeinfo(list);
+  if (backend->devices_.empty()) {
+    return Status(Code::kUnavailable, "libfabric provider '%.40s' offers no device",
+                  provider.c_str());
+  }
+  return backend;
+}
+
+FabricBackend::~FabricBackend() {
+  for (struct fi_info* info : infos_) lib_.freeinfo(info);
+}
+
+Result<std::unique_ptr<Nic>> FabricBackend::open_nic(size_t device_index) {
+  if (device_index >= infos_.size()) {
+    return Status(Code::kInvalidArgument, "no libfabric device %zu (%zu listed)", device_index,
+                  infos_.size());
+  }
+  return FabricNic::open(lib_, *infos_[device_index], devices_[device_index], max_inflight_);
+}
+
+}  // namespace fabric
+
+Result<std::unique_ptr<Backend>> open_fabric_backend(const Config& cfg) {
+  PONTE_ASSIGN_OR_RETURN(std::unique_ptr<fabric::FabricBackend> backend,
+                         fabric::FabricBackend::open(cfg));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace ponte
