@@ -1,0 +1,97 @@
+// One RC queue pair toward one peer NIC: creation (INIT), the move to RTR/RTS with the peer's connect
+// blob, and the ring of outstanding send work requests whose completions the engine is owed.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/verbs/verbs_device.h"
+#include "core/verbs/verbs_wire.h"
+
+namespace ponte::verbs {
+
+// Local facts every QP of a NIC shares.
+struct QpParams {
+  uint8_t port = 1;
+  int gid_index = 0;
+  LinkLayer link_layer = LinkLayer::kEthernet;
+  uint16_t lid = 0;
+  uint8_t active_mtu = IBV_MTU_1024;
+  ibv_gid gid{};
+  uint32_t sq_depth = 256;   // send work requests per QP
+  uint32_t max_inline = 0;   // requested inline size
+  uint8_t max_rd_atomic = 1; // outstanding RDMA reads, both directions
+  uint8_t traffic_class = 0;
+  uint8_t service_level = 0;
+  uint8_t timeout = 14;      // local ACK timeout, 4.096 us * 2^timeout
+  uint8_t retry_count = 7;
+  uint8_t rnr_retry = 7;     // 7 = retry forever on receiver-not-ready
+  uint8_t min_rnr_timer = 12;  // 0.64 ms
+};
+
+class VerbsQp {
+ public:
+  enum class State : uint8_t { kInit, kRts, kError };
+
+  // Creates the QP on pd/cq/srq and moves it to INIT; psn is the first sequence number it sends.
+  static Result<std::unique_ptr<VerbsQp>> create(const VerbsApi& api, ibv_pd* pd, ibv_cq* cq,
+                                                 ibv_srq* srq, const QpParams& params,
+                                                 uint16_t generation, uint32_t psn);
+  ~VerbsQp();
+  VerbsQp(const VerbsQp&) = delete;
+  VerbsQp& operator=(const VerbsQp&) = delete;
+
+  // What this side sends the peer.
+  ConnectBlob blob() const;
+  // INIT -> RTR -> RTS toward the peer's QP. On failure the QP is left in kError.
+  Status connect(const ConnectBlob& remote);
+  // Moves the QP to ERR so that the provider flushes every outstanding WR as a completion.
+  void force_error();
+  // Asks the device whether a connected QP is still in RTS (a responder-side failure, such as a
+  // peer writing with a bad rkey, moves it to ERR without any completion here). Marks it kError
+  // when not.
+  bool still_connected();
+  // The peer blob this QP was connected with (valid in kRts).
+  const ConnectBlob& remote() const { return remote_; }
+
+  State state() const { return state_; }
+  void set_error(ibv_wc_status status) {
+    if (state_ != State::kError) first_error_ = status;
+    state_ = State::kError;
+  }
+  ibv_wc_status first_error() const { return first_error_; }
+  uint16_t generation() const { return generation_; }
+  ibv_qp* qp() const { return qp_; }
+  uint32_t max_inline() const { return max_inline_; }
+
+  // Ring of outstanding send WRs, in posting order. seq numbers are free-running 32-bit counters.
+  uint32_t outstanding() const { return tail_ - head_; }
+  bool full() const { return outstanding() >= depth_; }
+  uint32_t tail() const { return tail_; }
+  uint32_t head() const { return head_; }
+  void push(uint64_t ctx) { ring_[tail_++ & mask_] = ctx; }
+  uint64_t pop() { return ring_[head_++ & mask_]; }
+
+ private:
+  explicit VerbsQp(const VerbsApi& api) : api_(api) {}
+
+  const VerbsApi& api_;
+  QpParams params_;
+  ibv_qp* qp_ = nullptr;
+  uint16_t generation_ = 0;
+  uint32_t psn_ = 0;
+  State state_ = State::kInit;
+  ibv_wc_status first_error_ = IBV_WC_SUCCESS;
+  ConnectBlob remote_;
+  uint32_t max_inline_ = 0;
+  uint32_t depth_ = 0;
+  uint32_t mask_ = 0;
+  uint32_t head_ = 0;
+  uint32_t tail_ = 0;
+  std::vector<uint64_t> ring_;  // engine ctx per outstanding WR
+};
+
+// The largest inline payload an RC QP of this device accepts (tries 256, 128, 64 bytes; 0 if none).
+uint32_t probe_max_inline(const VerbsApi& api, ibv_context* ctx, ibv_pd* pd);
+
+}  // namespace ponte::verbs
