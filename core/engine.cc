@@ -449,7 +449,7 @@ void Engine::consume_imm(int group, uint32_t value, uint32_t n) {
 uint32_t Engine::imms_per_write(int group, PeerId peer, size_t len) const {
   NicGroup* g = impl_->group(group);
   if (!g) return 0;
-  return StripePlan::make(len, g->peer_nics(peer), g->config().stripe_min_bytes).shards;
+  return StripePlan::make(len, g->peer_nics(peer), g->config().stripe_min_bytes, g->peer_max_shard(peer)).shards;
 }
 
 }  // namespace ponte

@@ -24,6 +24,7 @@ std::vector<uint8_t> GroupAddress::encode() const {
   w.u8(ip_family);
   w.u16(port);
   w.bytes(std::span<const uint8_t>(ip, 16));
+  w.u64(max_msg);
   for (size_t i = 0; i < nic_addrs.size(); i++) {
     w.u16(static_cast<uint16_t>(nic_addrs[i].size()));
     w.bytes(nic_addrs[i]);
@@ -53,6 +54,7 @@ Result<GroupAddress> GroupAddress::decode(std::span<const uint8_t> bytes) {
   a.ip_family = r.u8();
   a.port = r.u16();
   auto ip = r.bytes(16);
+  a.max_msg = r.u64();
   if (!r.ok()) return Status(Code::kInvalidArgument, "group address: truncated header");
   if (backend != static_cast<uint8_t>(BackendKind::kFabric) && backend != static_cast<uint8_t>(BackendKind::kVerbs))
     return Status(Code::kInvalidArgument, "group address: unknown backend %u", backend);

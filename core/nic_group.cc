@@ -24,6 +24,9 @@ using Clock = std::chrono::steady_clock;
 static constexpr uint32_t kMaxPeers = 4096;
 static constexpr uint8_t kHelloVersion = 1;
 static constexpr uint8_t kHelloType = 1;
+// HELLO: u8 version, u8 type, u16 0, u32 id we gave the peer, u32 epoch | u16 address length,
+// address, u8 NIC count, NIC count x (u16 length, connect blob).
+static constexpr size_t kHelloHeaderBytes = 12;
 static constexpr uint64_t kWakeTag = ~uint64_t{0};
 static constexpr uint64_t kListenTag = ~uint64_t{0} - 1;
 static constexpr uint64_t kPendingTag = ~uint64_t{0} - 2;
@@ -84,6 +87,9 @@ Status NicGroup::start(const std::vector<int>& cores) {
   a.ip_family = ctrl_.family;
   memcpy(a.ip, ctrl_.ip, 16);
   a.port = ctrl_.port;
+  for (auto& n : nics_)
+    if (n->info().max_msg_size) max_msg_ = std::min<uint64_t>(max_msg_, n->info().max_msg_size);
+  a.max_msg = max_msg_;
   for (size_t i = 0; i < nics_.size(); i++) {
     auto b = nics_[i]->address();
     a.nic_addrs.emplace_back(b.begin(), b.end());
@@ -219,6 +225,8 @@ Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
   Peer& p = peers_[id];
   int n = std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(addr.nic_addrs.size()));
   p.nics.store(n, std::memory_order_relaxed);
+  uint64_t remote_max = addr.max_msg ? addr.max_msg : kMaxShardBytes;
+  p.max_shard.store(std::min<uint64_t>(max_msg_, remote_max), std::memory_order_relaxed);
   p.state.store(kConnecting, std::memory_order_release);
   return id;
 }
@@ -231,6 +239,9 @@ bool NicGroup::peer_ready(PeerId p) const {
 }
 bool NicGroup::peer_dead(PeerId p) const {
   return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kDead;
+}
+size_t NicGroup::peer_max_shard(PeerId p) const {
+  return p < kMaxPeers ? peers_[p].max_shard.load(std::memory_order_acquire) : kMaxShardBytes;
 }
 int NicGroup::peer_nics(PeerId p) const {
   return p < kMaxPeers ? peers_[p].nics.load(std::memory_order_acquire) : 0;
@@ -279,6 +290,7 @@ Status NicGroup::send_hello(PeerId id, int which) {
   w.u8(kHelloType);
   w.u16(0);
   w.u32(id);  // the id we gave the peer: its sends to us carry it
+  w.u32(p.epoch);
   w.u16(static_cast<uint16_t>(address_bytes_.size()));
   w.bytes(address_bytes_);
   int n = p.nics.load(std::memory_order_relaxed);
@@ -295,6 +307,15 @@ Status NicGroup::send_hello(PeerId id, int which) {
   return Status::Ok();
 }
 
+void NicGroup::learn_address(Peer& p, GroupAddress addr) {
+  p.addr = std::move(addr);
+  p.addr_known = true;
+  uint64_t remote_max = p.addr.max_msg ? p.addr.max_msg : kMaxShardBytes;
+  p.max_shard.store(std::min<uint64_t>(max_msg_, remote_max), std::memory_order_release);
+  p.nics.store(std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(p.addr.nic_addrs.size())),
+               std::memory_order_release);
+}
+
 Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg) {
   Peer& p = peers_[id];
   WireReader r(msg);
@@ -302,6 +323,7 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   uint8_t type = r.u8();
   r.u16();
   uint32_t their_id_for_us = r.u32();
+  uint32_t epoch = r.u32();
   uint16_t alen = r.u16();
   auto abytes = r.bytes(alen);
   if (!r.ok() || version != kHelloVersion || type != kHelloType)
@@ -310,19 +332,24 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   if (!addr.ok()) return addr.status();
   if (addr->backend != backend_)
     return Status(Code::kInvalidArgument, "peer runs the %s backend, this group %s", backend_name(addr->backend), backend_name(backend_));
-  if (!p.addr_known) {
-    p.addr = std::move(addr.value());
-    p.addr_known = true;
-    p.nics.store(std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(p.addr.nic_addrs.size())),
-                 std::memory_order_release);
-  }
+  if (!p.addr_known) learn_address(p, std::move(addr.value()));
   int n = p.nics.load(std::memory_order_relaxed);
   uint8_t nblobs = r.u8();
   if (!r.ok() || nblobs < n) return Status(Code::kInvalidArgument, "handshake: %u connect blobs for %d NICs", nblobs, n);
   PONTE_RETURN_IF_ERROR(attach_backend(id));
   p.remote_tag = their_id_for_us;
   p.hello_received = true;
-  if (!p.sock_hello_sent[which]) PONTE_RETURN_IF_ERROR(send_hello(id, which));
+  // A new round from the peer (it rebuilt a failed connection): connect again and answer with our
+  // current blobs, which the backend rebuilds if our side failed too.
+  bool new_round = p.remote_epoch != 0 && epoch > p.remote_epoch;
+  if (epoch > p.remote_epoch) p.remote_epoch = epoch;
+  if (new_round) {
+    p.backend_connected = false;
+    if (p.state.load(std::memory_order_relaxed) == kReady) p.state.store(kConnecting, std::memory_order_release);
+    p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
+    PONTE_LOG_INFO("group %d: peer %u rebuilds its connection (round %u)", index_, id, epoch);
+  }
+  if (!p.sock_hello_sent[which] || new_round) PONTE_RETURN_IF_ERROR(send_hello(id, which));
   if (!p.backend_connected) {
     for (int k = 0; k < nblobs; k++) {
       uint16_t blen = r.u16();
@@ -337,6 +364,21 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
     PONTE_LOG_INFO("group %d: peer %u ready (%d NICs)", index_, id, n);
   }
   return Status::Ok();
+}
+
+void NicGroup::start_reconnect(PeerId id, const char* why) {
+  Peer& p = peers_[id];
+  if (p.state.load(std::memory_order_relaxed) != kReady) return;
+  int which = p.sock[0].open() ? 0 : (p.sock[1].open() ? 1 : -1);
+  if (which < 0) return peer_died(id, Code::kPeerDead, "no control connection left");
+  PONTE_LOG_WARN("group %d: peer %u: %s; rebuilding the connection", index_, id, why);
+  p.state.store(kConnecting, std::memory_order_release);
+  p.epoch++;
+  p.backend_connected = false;
+  p.hello_received = false;
+  p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
+  Status st = send_hello(id, which);
+  if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
 }
 
 void NicGroup::peer_died(PeerId id, Code code, const char* why) {
@@ -397,7 +439,7 @@ void NicGroup::service_pending(Clock::time_point now) {
     if (!drop && *got) {
       // The first message names the peer: find it (we may have connected to it too) or add it.
       WireReader r(msg_);
-      r.skip(8);
+      r.skip(kHelloHeaderBytes);
       uint16_t alen = r.u16();
       auto abytes = r.bytes(alen);
       auto addr = r.ok() ? GroupAddress::decode(abytes) : Result<GroupAddress>(Status(Code::kInvalidArgument, "short hello"));
@@ -616,7 +658,7 @@ void NicGroup::start_op(const Op& op) {
   switch (op.type) {
     case Op::kWrite: {
       int n = std::min<int>(peer_nics(op.peer), op.remote.nics);
-      s.plan = StripePlan::make(op.len, n, cfg_.stripe_min_bytes);
+      s.plan = StripePlan::make(op.len, n, cfg_.stripe_min_bytes, peer_max_shard(op.peer));
       s.shards = s.plan.shards;
       break;
     }
@@ -801,7 +843,11 @@ void NicGroup::on_completion(int nic, const Completion& c) {
       if (!s.used || s.gen != gen) return;  // a shard of an op that already failed
       s.outstanding--;
       if (c.error != Code::kOk) {
+        // A transport error breaks the connection on connection-oriented backends (an RC QP goes to
+        // error): rebuild it through a new handshake round; the failed op ends with the error.
+        PeerId peer = (s.op.type == Op::kScatter || s.op.type == Op::kBarrier) ? kAnyPeer : s.op.peer;
         fail_slot(i, c.error, "the NIC reported a failed completion");
+        if (c.error == Code::kTransport && peer != kAnyPeer && peer < kMaxPeers) start_reconnect(peer, "a transfer failed");
         return;
       }
       if (s.outstanding == 0 && s.next_shard == s.shards) finish(i);

@@ -68,6 +68,7 @@ class NicGroup {
   bool peer_ready(PeerId p) const;
   bool peer_dead(PeerId p) const;
   int peer_nics(PeerId p) const;
+  size_t peer_max_shard(PeerId p) const;
   bool peer_exists(PeerId p) const;
   std::vector<PeerId> inbound_peers() const;
 
@@ -83,6 +84,7 @@ class NicGroup {
   struct Peer {
     std::atomic<uint8_t> state{kUnused};
     std::atomic<int> nics{0};
+    std::atomic<uint64_t> max_shard{kMaxShardBytes};  // min of both groups' max_msg_size
     bool inbound = false;
     bool addr_known = false;
     GroupAddress addr;
@@ -92,6 +94,8 @@ class NicGroup {
     bool hello_received = false;
     bool hello_sent = false;
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
+    uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
+    uint32_t remote_epoch = 0;  // the peer's latest round seen
     ControlSocket sock[2];
     bool sock_hello_sent[2] = {false, false};
     std::chrono::steady_clock::time_point handshake_deadline;
@@ -132,6 +136,8 @@ class NicGroup {
   void service_peer(PeerId p, int which);
   Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
   Status send_hello(PeerId p, int which);
+  void start_reconnect(PeerId p, const char* why);
+  void learn_address(Peer& p, GroupAddress addr);
   Status attach_backend(PeerId p);
   void peer_died(PeerId p, Code code, const char* why);
   void accept_new();
@@ -151,6 +157,7 @@ class NicGroup {
   uint64_t engine_nonce_;
   std::vector<uint8_t> address_bytes_;
   ControlEndpoint ctrl_;
+  uint64_t max_msg_ = kMaxShardBytes;  // smallest max_msg_size of our NICs
   int listen_fd_ = -1;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;

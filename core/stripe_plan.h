@@ -7,7 +7,8 @@
 
 namespace ponte {
 
-// The largest shard ponte puts in one write (a protocol constant: both ends must agree).
+// The largest shard ponte puts in one write. Each group advertises the smallest max_msg_size of its
+// NICs; both ends use min(theirs, ours, kMaxShardBytes), so they agree on the shard count.
 constexpr size_t kMaxShardBytes = size_t{1} << 30;
 
 struct StripePlan {
@@ -15,8 +16,9 @@ struct StripePlan {
   size_t shard_bytes = 0;  // every shard but the last has this many bytes
   int nics = 1;          // NICs used: shard j goes to NIC (first_nic + j) % nics
 
-  // len: write size; nics: min(local, peer) NICs; stripe_min: below this, one NIC.
-  static StripePlan make(size_t len, int nics, size_t stripe_min);
+  // len: write size; nics: min(local, peer) NICs; stripe_min: below this, one NIC; max_shard:
+  // the largest write both ends' NICs take (rounded down to 64 bytes, at least 64).
+  static StripePlan make(size_t len, int nics, size_t stripe_min, size_t max_shard = kMaxShardBytes);
   size_t shard_offset(uint32_t j) const { return static_cast<size_t>(j) * shard_bytes; }
   size_t shard_len(uint32_t j, size_t len) const {
     size_t off = shard_offset(j);

@@ -53,3 +53,18 @@ TEST(StripePlan, HugeWritesSplitBelowMaxShard) {
   EXPECT_EQ(two.shards % 2, 0u);
   expect_covers(two, len);
 }
+
+TEST(StripePlan, ShardsRespectTheNicsLargestMessage) {
+  size_t max = 8 << 20;  // rxe's max_msg_size
+  auto one = StripePlan::make((16 << 20) + 1, 1, 256 * 1024, max);
+  EXPECT_EQ(one.shards, 3u);
+  EXPECT_LE(one.shard_bytes, max);
+  expect_covers(one, (16 << 20) + 1);
+  auto two = StripePlan::make(64 << 20, 2, 256 * 1024, max);
+  EXPECT_EQ(two.shards, 8u);
+  EXPECT_LE(two.shard_bytes, max);
+  expect_covers(two, 64 << 20);
+  auto odd = StripePlan::make(1000, 1, 0, 100);  // rounded down to 64
+  EXPECT_EQ(odd.shards, 16u);
+  expect_covers(odd, 1000);
+}
