@@ -88,7 +88,8 @@ std::vector<size_t> pick_devices(const Config& cfg, char side, int nics) {
 Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics, uint32_t timeout_ms = 5000) {
   EngineOptions o;
   o.config = test_config(s);
-  o.config.timeout_ms = timeout_ms;
+  // SoftRoCE under QEMU moves tens of MB/s: a 64 MiB write needs more than 5 s there.
+  o.config.timeout_ms = s.backend == BackendChoice::kVerbs ? 6 * timeout_ms : timeout_ms;
   o.groups = {pick_devices(o.config, side, nics)};
   return Engine::create(o);
 }
