@@ -694,82 +694,61 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
   int pn = p.nics.load(std::memory_order_relaxed);
   uint64_t ctx = (static_cast<uint64_t>(s.gen) << 32) | si;
   Status rc;
-  int k = 0;
+  const uint8_t* base = op.mr ? static_cast<const uint8_t*>(op.mr->addr) : nullptr;
+  // Every write-type operation comes down to one write: NIC k, local bytes, remote address and key.
+  auto write_on = [&](int k, const uint8_t* local, size_t len, void* desc, uint64_t raddr, uint64_t rkey) {
+    WriteWr wr;
+    wr.peer = p.nic_peer[k];
+    wr.local = local;
+    wr.len = len;
+    wr.desc = desc;
+    wr.remote_addr = raddr;
+    wr.rkey = rkey;
+    wr.imm = op.imm;
+    wr.has_imm = op.has_imm;
+    wr.ctx = ctx;
+    return nics_[k]->post_write(wr);
+  };
   switch (op.type) {
     case Op::kWrite: {
-      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(s.plan.nics));
-      size_t off = s.plan.shard_offset(j);
+      int k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(s.plan.nics));
       size_t len = s.plan.shard_len(j, op.len);
-      WriteWr wr;
-      wr.peer = p.nic_peer[k];
-      wr.local = static_cast<const uint8_t*>(op.mr->addr) + op.offset + (len ? off : 0);
-      wr.len = len;
-      wr.desc = op.mr->nic_mrs[k].desc;
-      wr.remote_addr = op.remote.remote_base[k] + op.remote_offset + (len ? off : 0);
-      wr.rkey = op.remote.rkey[k];
-      wr.imm = op.imm;
-      wr.has_imm = op.has_imm;
-      wr.ctx = ctx;
-      rc = nics_[k]->post_write(wr);
+      size_t off = len ? s.plan.shard_offset(j) : 0;
+      rc = write_on(k, base + op.offset + off, len, op.mr->nic_mrs[k].desc,
+                    op.remote.remote_base[k] + op.remote_offset + off, op.remote.rkey[k]);
       break;
     }
     case Op::kRead: {
-      k = static_cast<int>(s.first_nic % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
+      int k = static_cast<int>(s.first_nic % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
       rc = nics_[k]->post_read(p.nic_peer[k], static_cast<uint8_t*>(op.mr->addr) + op.offset, op.len,
                                op.mr->nic_mrs[k].desc, op.remote.remote_base[k] + op.remote_offset,
                                op.remote.rkey[k], ctx);
       break;
     }
     case Op::kPaged: {
-      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
-      WriteWr wr;
-      wr.peer = p.nic_peer[k];
-      wr.local = static_cast<const uint8_t*>(op.mr->addr) + static_cast<size_t>(op.src_pages[j]) * op.page_size;
-      wr.len = op.page_size;
-      wr.desc = op.mr->nic_mrs[k].desc;
-      wr.remote_addr = op.remote.remote_base[k] + static_cast<size_t>(op.dst_pages[j]) * op.page_size;
-      wr.rkey = op.remote.rkey[k];
-      wr.imm = op.imm;
-      wr.has_imm = op.has_imm;
-      wr.ctx = ctx;
-      rc = nics_[k]->post_write(wr);
+      int k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
+      rc = write_on(k, base + static_cast<size_t>(op.src_pages[j]) * op.page_size, op.page_size,
+                    op.mr->nic_mrs[k].desc,
+                    op.remote.remote_base[k] + static_cast<size_t>(op.dst_pages[j]) * op.page_size, op.remote.rkey[k]);
       break;
     }
     case Op::kScatter: {
       const ScatterTarget& t = op.targets[j];
-      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, t.dst->nics)));
-      WriteWr wr;
-      wr.peer = p.nic_peer[k];
-      wr.local = static_cast<const uint8_t*>(op.mr->addr) + t.src_offset;
-      wr.len = t.len;
-      wr.desc = op.mr->nic_mrs[k].desc;
-      wr.remote_addr = t.dst->remote_base[k] + t.dst_offset;
-      wr.rkey = t.dst->rkey[k];
-      wr.imm = op.imm;
-      wr.has_imm = op.has_imm;
-      wr.ctx = ctx;
-      rc = nics_[k]->post_write(wr);
+      int k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(std::min<int>(pn, t.dst->nics)));
+      rc = write_on(k, base + t.src_offset, t.len, op.mr->nic_mrs[k].desc, t.dst->remote_base[k] + t.dst_offset,
+                    t.dst->rkey[k]);
       break;
     }
     case Op::kImm:
     case Op::kBarrier: {
-      k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(pn));
       // No payload, but a real local buffer and remote key: the peer's receive-buffer region,
       // which a 0-byte write leaves untouched.
-      WriteWr wr;
-      wr.peer = p.nic_peer[k];
-      wr.local = recv_bufs_[k].get();
-      wr.desc = recv_mrs_[k].nic_mrs[k].desc;
-      wr.remote_addr = p.addr.imm_base[k];
-      wr.rkey = p.addr.imm_rkey[k];
-      wr.imm = op.imm;
-      wr.has_imm = true;
-      wr.ctx = ctx;
-      rc = nics_[k]->post_write(wr);
+      int k = static_cast<int>((s.first_nic + j) % static_cast<uint32_t>(pn));
+      rc = write_on(k, recv_bufs_[k].get(), 0, recv_mrs_[k].nic_mrs[k].desc, p.addr.imm_base[k], p.addr.imm_rkey[k]);
       break;
     }
     case Op::kSend: {
-      k = static_cast<int>(s.first_nic % static_cast<uint32_t>(pn));
+      int k = static_cast<int>(s.first_nic % static_cast<uint32_t>(pn));
       rc = nics_[k]->post_send(p.nic_peer[k], static_cast<const uint8_t*>(op.mr->addr) + op.offset, op.len,
                                op.mr->nic_mrs[k].desc, p.remote_tag, ctx);
       break;
