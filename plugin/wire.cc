@@ -1,0 +1,291 @@
+// Encoders and decoders of the transport's wire formats (see wire.h). Little endian throughout.
+#include "plugin/wire.h"
+
+#include <bit>
+#include <cstring>
+
+namespace ponte::plugin {
+
+static_assert(std::endian::native == std::endian::little,
+              "the wire formats are little endian; add byte swaps for this host");
+
+namespace {
+
+template <typename T>
+void put(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+template <typename T>
+T get(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+void put_header(uint8_t* p, uint8_t kind, size_t length) {
+  p[0] = kWireVersion;
+  p[1] = kind;
+  put<uint16_t>(p + 2, static_cast<uint16_t>(length));
+}
+
+// Checks version, kind and that the stated length fits in what arrived.
+Status check_header(std::span<const uint8_t> b, uint8_t kind, size_t min_len, const char* what) {
+  if (b.size() < 4) return Status(Code::kInvalidArgument, "%s: %zu bytes, too short", what, b.size());
+  if (b[0] != kWireVersion)
+    return Status(Code::kInvalidArgument, "%s: version %u, expected %u", what, b[0], kWireVersion);
+  if (b[1] != kind)
+    return Status(Code::kInvalidArgument, "%s: kind 0x%02x, expected '%c'", what, b[1], kind);
+  const size_t len = get<uint16_t>(b.data() + 2);
+  if (len < min_len || len > b.size())
+    return Status(Code::kInvalidArgument, "%s: length %zu outside [%zu, %zu]", what, len, min_len,
+                  b.size());
+  return Status::Ok();
+}
+
+// A RemoteRegion embedded with a u16 (messages) or u8 (CTS) length prefix.
+Result<RemoteRegion> decode_region(std::span<const uint8_t> b, const char* what) {
+  auto r = RemoteRegion::decode(b);
+  if (!r.ok())
+    return Status(Code::kInvalidArgument, "%s: bad region: %s", what, r.status().message());
+  return r;
+}
+
+}  // namespace
+
+// ---- listen handle ----------------------------------------------------------------------------
+
+Status encode_handle(const ListenHandle& h, uint8_t* out) {
+  if (h.address.size() > kHandleMaxAddress)
+    return Status(Code::kInvalidArgument,
+                  "listen handle: engine address is %zu bytes, at most %zu fit in NCCL's %zu-byte "
+                  "handle",
+                  h.address.size(), kHandleMaxAddress, kHandleSize);
+  if (h.listen_id == 0 || h.nonce == 0)
+    return Status(Code::kInternal, "listen handle: id and nonce must be nonzero");
+  std::memset(out, 0, kHandleSize);
+  put_header(out, h.bootstrap ? 'B' : 'H', kHandleHeader + h.address.size());
+  put<uint32_t>(out + 4, h.listen_id);
+  put<uint64_t>(out + 8, h.nonce);
+  std::memcpy(out + kHandleHeader, h.address.data(), h.address.size());
+  return Status::Ok();
+}
+
+Result<ListenHandle> decode_handle(const uint8_t* in) {
+  std::span<const uint8_t> b(in, kHandleStageOffset);
+  const bool bootstrap = in[1] == 'B';
+  PONTE_RETURN_IF_ERROR(
+      check_header(b, bootstrap ? 'B' : 'H', kHandleHeader + 1, "listen handle"));
+  ListenHandle h;
+  h.bootstrap = bootstrap;
+  h.listen_id = get<uint32_t>(in + 4);
+  h.nonce = get<uint64_t>(in + 8);
+  if (h.listen_id == 0 || h.nonce == 0)
+    return Status(Code::kInvalidArgument, "listen handle: zero listen id or nonce");
+  const size_t len = get<uint16_t>(in + 2);
+  h.address = std::span<const uint8_t>(in + kHandleHeader, len - kHandleHeader);
+  return h;
+}
+
+uint64_t handle_stage(const uint8_t* handle) { return get<uint64_t>(handle + kHandleStageOffset); }
+void set_handle_stage(uint8_t* handle, uint64_t token) {
+  put<uint64_t>(handle + kHandleStageOffset, token);
+}
+
+// ---- connection messages ----------------------------------------------------------------------
+
+Result<size_t> encode_connect(const ConnectMsg& m, uint8_t* out) {
+  const auto region = m.fifo.encode();
+  const size_t len = 4 + 4 + 8 + 8 + 4 + 2 + region.size() + 2 + m.reply_address.size();
+  if (len > kMaxMsgSize) return Status(Code::kInternal, "CONNECT: %zu bytes is too long", len);
+  put_header(out, 'C', len);
+  put<uint32_t>(out + 4, m.listen_id);
+  put<uint64_t>(out + 8, m.listen_nonce);
+  put<uint64_t>(out + 16, m.token);
+  put<uint32_t>(out + 24, m.sender_comm_id);
+  put<uint16_t>(out + 28, static_cast<uint16_t>(region.size()));
+  std::memcpy(out + 30, region.data(), region.size());
+  uint8_t* a = out + 30 + region.size();
+  put<uint16_t>(a, static_cast<uint16_t>(m.reply_address.size()));
+  if (!m.reply_address.empty()) std::memcpy(a + 2, m.reply_address.data(), m.reply_address.size());
+  return len;
+}
+
+Result<size_t> encode_accept(const AcceptMsg& m, uint8_t* out) {
+  const auto region = m.records.encode();
+  const size_t len = 4 + 8 + 4 + 4 + 2 + region.size();
+  if (len > kMaxMsgSize) return Status(Code::kInternal, "ACCEPT: %zu bytes is too long", len);
+  put_header(out, 'A', len);
+  put<uint64_t>(out + 4, m.token);
+  put<uint32_t>(out + 12, m.receiver_comm_id);
+  put<uint32_t>(out + 16, 0);
+  put<uint16_t>(out + 20, static_cast<uint16_t>(region.size()));
+  std::memcpy(out + 22, region.data(), region.size());
+  return len;
+}
+
+size_t encode_reject(const RejectMsg& m, uint8_t* out) {
+  const size_t len = 4 + 8 + 4;
+  put_header(out, 'R', len);
+  put<uint64_t>(out + 4, m.token);
+  put<uint32_t>(out + 12, static_cast<uint32_t>(m.reason));
+  return len;
+}
+
+Result<MsgKind> peek_kind(std::span<const uint8_t> b) {
+  if (b.size() < 4) return Status(Code::kInvalidArgument, "message: %zu bytes, too short", b.size());
+  if (b[0] != kWireVersion)
+    return Status(Code::kInvalidArgument, "message: version %u, expected %u", b[0], kWireVersion);
+  switch (b[1]) {
+    case 'C':
+      return MsgKind::kConnect;
+    case 'A':
+      return MsgKind::kAccept;
+    case 'R':
+      return MsgKind::kReject;
+    default:
+      return Status(Code::kInvalidArgument, "message: unknown kind 0x%02x", b[1]);
+  }
+}
+
+Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
+  PONTE_RETURN_IF_ERROR(check_header(b, 'C', 32, "CONNECT"));
+  const size_t len = get<uint16_t>(b.data() + 2);
+  ConnectMsg m;
+  m.listen_id = get<uint32_t>(b.data() + 4);
+  m.listen_nonce = get<uint64_t>(b.data() + 8);
+  m.token = get<uint64_t>(b.data() + 16);
+  m.sender_comm_id = get<uint32_t>(b.data() + 24);
+  const size_t rlen = get<uint16_t>(b.data() + 28);
+  if (30 + rlen + 2 > len)
+    return Status(Code::kInvalidArgument, "CONNECT: region length %zu overruns %zu bytes", rlen,
+                  len);
+  const size_t alen = get<uint16_t>(b.data() + 30 + rlen);
+  if (30 + rlen + 2 + alen != len)
+    return Status(Code::kInvalidArgument, "CONNECT: lengths %zu + %zu do not fill %zu bytes",
+                  rlen, alen, len);
+  m.reply_address.assign(b.begin() + static_cast<std::ptrdiff_t>(32 + rlen),
+                         b.begin() + static_cast<std::ptrdiff_t>(len));
+  if (m.sender_comm_id == 0 || m.sender_comm_id > kMaxCommId || m.token == 0)
+    return Status(Code::kInvalidArgument, "CONNECT: bad comm id %u or token", m.sender_comm_id);
+  PONTE_ASSIGN_OR_RETURN(m.fifo, decode_region(b.subspan(30, rlen), "CONNECT"));
+  if (m.fifo.len < kFifoBytes)
+    return Status(Code::kInvalidArgument, "CONNECT: FIFO region of %llu bytes < %zu",
+                  static_cast<unsigned long long>(m.fifo.len), kFifoBytes);
+  return m;
+}
+
+Result<AcceptMsg> decode_accept(std::span<const uint8_t> b) {
+  PONTE_RETURN_IF_ERROR(check_header(b, 'A', 22, "ACCEPT"));
+  const size_t len = get<uint16_t>(b.data() + 2);
+  AcceptMsg m;
+  m.token = get<uint64_t>(b.data() + 4);
+  m.receiver_comm_id = get<uint32_t>(b.data() + 12);
+  const size_t rlen = get<uint16_t>(b.data() + 20);
+  if (22 + rlen != len)
+    return Status(Code::kInvalidArgument, "ACCEPT: region length %zu does not fill %zu bytes",
+                  rlen, len);
+  if (m.receiver_comm_id == 0 || m.receiver_comm_id > kMaxCommId)
+    return Status(Code::kInvalidArgument, "ACCEPT: bad comm id %u", m.receiver_comm_id);
+  PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT"));
+  if (m.records.len < kRecordArea)
+    return Status(Code::kInvalidArgument, "ACCEPT: record region of %llu bytes < %zu",
+                  static_cast<unsigned long long>(m.records.len), kRecordArea);
+  return m;
+}
+
+Result<RejectMsg> decode_reject(std::span<const uint8_t> b) {
+  PONTE_RETURN_IF_ERROR(check_header(b, 'R', 16, "REJECT"));
+  RejectMsg m;
+  m.token = get<uint64_t>(b.data() + 4);
+  m.reason = static_cast<RejectReason>(get<uint32_t>(b.data() + 12));
+  return m;
+}
+
+// ---- CTS slot ---------------------------------------------------------------------------------
+
+Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8_t* out) {
+  if (elems.empty() || elems.size() > static_cast<size_t>(kMaxRecvs))
+    return Status(Code::kInvalidArgument, "CTS: %zu buffers, must be 1..%d", elems.size(),
+                  kMaxRecvs);
+  put_header(out, 'T', kCtsHeader + elems.size() * kCtsElemBytes);
+  put<uint32_t>(out + 4, request_number);
+  out[8] = static_cast<uint8_t>(elems.size());
+  std::memset(out + 9, 0, 7);
+  for (size_t i = 0; i < elems.size(); ++i) {
+    uint8_t* e = out + kCtsHeader + i * kCtsElemBytes;
+    const CtsElem& c = elems[i];
+    if (c.region.size() > kCtsElemBytes - kCtsElemHeader)
+      return Status(Code::kInvalidArgument, "CTS: region of %zu bytes (more than %d NICs?)",
+                    c.region.size(), kMaxNicsPerDevice);
+    put<uint64_t>(e, c.offset);
+    put<uint64_t>(e + 8, c.size);
+    put<int32_t>(e + 16, c.tag);
+    put<uint32_t>(e + 20, 0);
+    e[24] = static_cast<uint8_t>(c.region.size());
+    std::memset(e + 25, 0, 7);
+    if (!c.region.empty()) std::memcpy(e + kCtsElemHeader, c.region.data(), c.region.size());
+  }
+  return Status::Ok();
+}
+
+Result<int> decode_cts_header(const uint8_t* slot, uint32_t expected_request_number) {
+  std::span<const uint8_t> b(slot, kCtsSlotBytes);
+  PONTE_RETURN_IF_ERROR(check_header(b, 'T', kCtsHeader + kCtsElemBytes, "CTS"));
+  const uint32_t req = get<uint32_t>(slot + 4);
+  if (req != expected_request_number)
+    return Status(Code::kInvalidArgument, "CTS: request %u where %u was expected", req,
+                  expected_request_number);
+  const int n = slot[8];
+  if (n < 1 || n > kMaxRecvs ||
+      get<uint16_t>(slot + 2) != kCtsHeader + static_cast<size_t>(n) * kCtsElemBytes)
+    return Status(Code::kInvalidArgument, "CTS: bad buffer count %d", n);
+  return n;
+}
+
+Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* region) {
+  const uint8_t* e = slot + kCtsHeader + static_cast<size_t>(i) * kCtsElemBytes;
+  elem->offset = get<uint64_t>(e);
+  elem->size = get<uint64_t>(e + 8);
+  elem->tag = get<int32_t>(e + 16);
+  const size_t rlen = e[24];
+  if (rlen > kCtsElemBytes - kCtsElemHeader)
+    return Status(Code::kInvalidArgument, "CTS: region length %zu too long", rlen);
+  elem->region = std::span<const uint8_t>(e + kCtsElemHeader, rlen);
+  if (rlen == 0) {  // a zero-byte buffer without a registration: nothing may land in it
+    if (elem->size != 0) return Status(Code::kInvalidArgument, "CTS: buffer without a region");
+    *region = RemoteRegion{};
+    return Status::Ok();
+  }
+  auto r = decode_region(elem->region, "CTS");
+  if (!r.ok()) return r.status();
+  *region = r.value();
+  if (elem->offset > region->len || elem->size > region->len - elem->offset)
+    return Status(Code::kInvalidArgument, "CTS: buffer [%llu, +%llu) outside its %llu-byte region",
+                  static_cast<unsigned long long>(elem->offset),
+                  static_cast<unsigned long long>(elem->size),
+                  static_cast<unsigned long long>(region->len));
+  return Status::Ok();
+}
+
+// ---- size record ------------------------------------------------------------------------------
+
+void encode_record(const SizeRecord& r, uint8_t* out) {
+  std::memset(out, 0, kRecordBytes);
+  put<uint64_t>(out, r.size);
+  put<uint32_t>(out + 8, r.shards);
+  put<uint32_t>(out + 12, r.request_number);
+  put_header(out + 16, 'S', kRecordBytes);
+}
+
+Result<SizeRecord> decode_record(const uint8_t* in) {
+  if (in[16] != kWireVersion || in[17] != 'S' || get<uint16_t>(in + 18) != kRecordBytes)
+    return Status(Code::kInvalidArgument, "size record: version %u kind 0x%02x length %u", in[16],
+                  in[17], get<uint16_t>(in + 18));
+  SizeRecord r;
+  r.size = get<uint64_t>(in);
+  r.shards = get<uint32_t>(in + 8);
+  r.request_number = get<uint32_t>(in + 12);
+  return r;
+}
+
+}  // namespace ponte::plugin

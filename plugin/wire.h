@@ -1,0 +1,168 @@
+// Wire formats of ponte's NCCL transport: the listen handle, the connection messages, the
+// clear-to-send (CTS) FIFO slot, the size record and the immediate-value layout. Each has a version.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/remote_region.h"
+#include "core/status.h"
+
+namespace ponte::plugin {
+
+constexpr uint8_t kWireVersion = 1;
+
+// ---------------------------------------------------------------------------------------------
+// Limits of the protocol.
+constexpr int kMaxRequests = 32;      // requests in flight per comm (NCCL_NET_MAX_REQUESTS)
+constexpr int kMaxRecvs = 8;          // buffers in one grouped receive (maxRecvs)
+constexpr int kMaxNicsPerDevice = 4;  // NICs fused into one plugin device (NCCL_NET_MAX_DEVS_PER_NIC)
+// Comm ids per device (send and receive comms together). The engine's immediate counter table
+// holds 65536 distinct values per NIC group (7/8 of them usable) and never forgets one, so the
+// values this protocol uses must come from a bounded set: 64 per receive comm (data + record for
+// 32 slots) and 32 per send comm. 800 comm ids keep even 800 receive comms (51200 values) inside.
+constexpr uint32_t kMaxCommId = 800;
+
+// ---------------------------------------------------------------------------------------------
+// Immediate values (32 bits). The engine counts immediates per value and per NIC group, so every
+// value names the comm that owns it in the group that receives it:
+//
+//   bit  31     : 1 = size record, 0 = data shard (at a receiver) or CTS slot (at a sender)
+//   bits 30..15 : 0 (reserved)
+//   bits 14..5  : comm id (1..800), allocated by the device (group) the immediate lands on
+//   bits  4..0  : request slot (request number mod 32: 32 requests in flight per comm)
+//
+// A grouped receive is one request: its n size records all carry the record value of that
+// request, and all data shards of its n buffers carry its data value. A sender's CTS slot s
+// carries the CTS value of slot s of the send comm. A slot is reused only after its previous
+// request completed and its counts were consumed exactly, so values need no generation bits.
+// A closed comm's id stays unused for the engine timeout (late immediates of a comm closed with
+// work outstanding end by then), and whatever counts are left on its values are consumed before
+// the id is handed out again.
+constexpr uint32_t kImmRecordBit = 1u << 31;
+constexpr int kImmCommShift = 5;
+constexpr uint32_t kImmSlotMask = 0x1f;
+static_assert(kMaxRequests == 32, "the slot field is 5 bits");
+
+constexpr uint32_t imm_value(bool record, uint32_t comm_id, uint64_t request_number) {
+  return (record ? kImmRecordBit : 0u) | (comm_id << kImmCommShift) |
+         static_cast<uint32_t>(request_number & kImmSlotMask);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listen handle: what listen() returns and NCCL hands to the connecting rank (<= 128 bytes).
+//   u8 version, u8 kind, u16 length (16 + address bytes), u32 listen id, u64 listen nonce,
+//   then an engine group address:
+//   kind 'H': the address of the listening device's own group (it fits: 1-2 NICs, most 4-NIC
+//             groups); the connector connects to it and sends CONNECT there.
+//   kind 'B': the address of a one-NIC "bootstrap" group of the same process (the device's first
+//             NIC), because the device's own address does not fit (four EFA NICs: 170 bytes).
+//             The connector sends CONNECT there, with its own full address; the listener connects
+//             back to that address from the listening device and answers from there.
+//   Bytes 120..127 belong to the connecting side: connect() keeps the id of its pending
+//   connection there between calls (0 in a fresh handle), as NCCL passes the same handle again.
+constexpr size_t kHandleSize = 128;
+constexpr size_t kHandleHeader = 16;
+constexpr size_t kHandleStageOffset = 120;
+constexpr size_t kHandleMaxAddress = kHandleStageOffset - kHandleHeader;  // 104
+
+struct ListenHandle {
+  uint32_t listen_id = 0;
+  uint64_t nonce = 0;
+  bool bootstrap = false;            // kind 'B': address is a bootstrap group's
+  std::span<const uint8_t> address;  // points into the decoded buffer
+};
+
+// Writes the handle into out (kHandleSize bytes; the stage bytes are zeroed).
+Status encode_handle(const ListenHandle& h, uint8_t* out);
+Result<ListenHandle> decode_handle(const uint8_t* in);
+uint64_t handle_stage(const uint8_t* handle);
+void set_handle_stage(uint8_t* handle, uint64_t token);
+
+// ---------------------------------------------------------------------------------------------
+// Connection messages, sent two-sided through the engine (engine.send).
+//   header: u8 version, u8 kind, u16 length (whole message)
+//   CONNECT 'C' (sender -> listener): u32 listen id, u64 listen nonce, u64 connect token,
+//       u32 sender comm id, u16 fifo region length, fifo RemoteRegion bytes, u16 reply address
+//       length, the sender device's group address (bootstrap handles only; else length 0)
+//   ACCEPT  'A' (listener -> sender): u64 connect token, u32 receiver comm id, u32 reserved (0),
+//       u16 record region length, record RemoteRegion bytes
+//   REJECT  'R' (listener -> sender): u64 connect token, u32 reason (RejectReason)
+enum class MsgKind : uint8_t { kConnect = 'C', kAccept = 'A', kReject = 'R' };
+enum class RejectReason : uint32_t { kNoListener = 1, kClosed = 2, kNoResources = 3 };
+
+struct ConnectMsg {
+  uint32_t listen_id = 0;
+  uint64_t listen_nonce = 0;
+  uint64_t token = 0;
+  uint32_t sender_comm_id = 0;
+  RemoteRegion fifo;
+  std::vector<uint8_t> reply_address;  // empty unless the handle was a bootstrap one
+};
+struct AcceptMsg {
+  uint64_t token = 0;
+  uint32_t receiver_comm_id = 0;
+  RemoteRegion records;
+};
+struct RejectMsg {
+  uint64_t token = 0;
+  RejectReason reason = RejectReason::kNoListener;
+};
+
+constexpr size_t kMaxMsgSize = 512;
+// Each encoder returns the number of bytes written to out (capacity kMaxMsgSize).
+Result<size_t> encode_connect(const ConnectMsg& m, uint8_t* out);
+Result<size_t> encode_accept(const AcceptMsg& m, uint8_t* out);
+size_t encode_reject(const RejectMsg& m, uint8_t* out);
+Result<MsgKind> peek_kind(std::span<const uint8_t> bytes);
+Result<ConnectMsg> decode_connect(std::span<const uint8_t> bytes);
+Result<AcceptMsg> decode_accept(std::span<const uint8_t> bytes);
+Result<RejectMsg> decode_reject(std::span<const uint8_t> bytes);
+
+// ---------------------------------------------------------------------------------------------
+// CTS FIFO slot: what irecv writes into slot (request % 32) of the sender's FIFO, always whole
+// (kCtsSlotBytes), with the slot's CTS immediate. The immediate, not any byte of the slot, says
+// that the slot is complete.
+//   header (16): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
+//                7 pad
+//   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 pad,
+//                u8 region length, 7 pad, RemoteRegion bytes (<= 96 for 4 NICs)
+constexpr size_t kCtsHeader = 16;
+constexpr size_t kCtsElemHeader = 32;
+constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
+constexpr size_t kCtsSlotBytes = kCtsHeader + kMaxRecvs * kCtsElemBytes;
+constexpr size_t kFifoBytes = kMaxRequests * kCtsSlotBytes;
+
+struct CtsElem {
+  uint64_t offset = 0;  // of the receive buffer within its registered region
+  uint64_t size = 0;    // capacity of the receive buffer
+  int32_t tag = 0;
+  std::span<const uint8_t> region;  // encoded RemoteRegion of the buffer's registration
+};
+
+// Writes one slot (header + n elements) into out (kCtsSlotBytes).
+Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8_t* out);
+// Reads the slot header: checks version/kind/request number and returns n (1..kMaxRecvs).
+Result<int> decode_cts_header(const uint8_t* slot, uint32_t expected_request_number);
+// Reads element i of a slot (offset, size, tag and the decoded region).
+Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* region);
+
+// ---------------------------------------------------------------------------------------------
+// Size record: what a sender writes into the receiver's record slot (slot * 8 + buffer index)
+// after (not ordered with) the data, with the request's record immediate.
+//   u64 size sent, u32 data shards, u32 request number, u8 version, u8 kind 'S', u16 length (32),
+//   12 pad (32 bytes)
+constexpr size_t kRecordBytes = 32;
+constexpr size_t kRecordArea = kMaxRequests * kMaxRecvs * kRecordBytes;
+
+struct SizeRecord {
+  uint64_t size = 0;
+  uint32_t shards = 0;
+  uint32_t request_number = 0;
+};
+void encode_record(const SizeRecord& r, uint8_t* out);
+Result<SizeRecord> decode_record(const uint8_t* in);
+
+}  // namespace ponte::plugin

@@ -1,0 +1,925 @@
+// The NCCL plugin driven through its C ABI as NCCL's proxy thread drives it: dlopen'ed, v11 (and
+// once v8) tables, host memory, over the configured provider (tcp;ofi_rxm on loopback here).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <sstream>
+
+#include "tests/plugin/harness.h"
+
+using namespace ponte::plugin_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr size_t kMiB = 1 << 20;
+
+#define ASSERT_OK(expr)                       \
+  do {                                        \
+    ASSERT_EQ((expr), kSuccess) << #expr;     \
+  } while (0)
+#define EXPECT_OK(expr)                       \
+  do {                                        \
+    EXPECT_EQ((expr), kSuccess) << #expr;     \
+  } while (0)
+
+class PluginTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_NE(lib().handle, nullptr) << "dlopen(" << plugin_path() << "): " << lib().error;
+    ASSERT_NE(lib().v11, nullptr);
+    net_ = std::make_unique<Net>();
+    ASSERT_OK(net_->init_result);
+    ASSERT_GT(net_->devices(), 0) << "no usable NIC through " << getenv("PONTE_BACKEND") << "/"
+                                  << getenv("PONTE_FABRIC_PROVIDER");
+  }
+  void TearDown() override { net_.reset(); }
+  const Net& net() const { return *net_; }
+
+  // One message of `size` bytes from send to recv (receive buffer of recv_size bytes), verified.
+  void transfer(const Pair& p, size_t size, size_t recv_size, uint32_t seed, int tag = 7) {
+    Buffer src(net(), p.send, size), dst(net(), p.recv, recv_size);
+    ASSERT_OK(src.result);
+    ASSERT_OK(dst.result);
+    fill(src.data(), size, seed);
+    void* rreq = nullptr;
+    void* sreq = nullptr;
+    void* data[1] = {dst.data()};
+    size_t sizes[1] = {recv_size};
+    int tags[1] = {tag};
+    void* mhs[1] = {dst.mh()};
+    ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
+    ASSERT_OK(post_send(net(), p.send, src.data(), size, tag, src.mh(), &sreq));
+    int ssize = -1, rsize[8] = {-1};
+    ASSERT_OK(wait_request(net(), sreq, &ssize));
+    ASSERT_OK(wait_request(net(), rreq, rsize));
+    EXPECT_EQ(ssize, static_cast<int>(size));
+    EXPECT_EQ(rsize[0], static_cast<int>(size)) << "test() must report the size sent";
+    EXPECT_EQ(mismatch(dst.data(), size, seed), SIZE_MAX) << size << " bytes";
+    if (recv_size > size) {
+      EXPECT_EQ(dst.data()[size], 0) << "wrote past the message";
+    }
+  }
+
+  std::unique_ptr<Net> net_;
+};
+
+// ---- the library itself -----------------------------------------------------------------------
+
+TEST(PluginLibrary, ExportsEveryVersionAndNothingElse) {
+  Library& l = lib();
+  ASSERT_NE(l.handle, nullptr) << l.error;
+  ASSERT_NE(l.v11, nullptr);
+  ASSERT_NE(l.v10, nullptr);
+  ASSERT_NE(l.v9, nullptr);
+  ASSERT_NE(l.v8, nullptr);
+  EXPECT_STREQ(l.v11->name, "ponte");
+  EXPECT_STREQ(l.v8->name, "ponte");
+  EXPECT_NE(l.v11->finalize, nullptr);
+  EXPECT_NE(l.v11->make_vdevice, nullptr);
+  EXPECT_NE(l.v11->set_net_attr, nullptr);
+  // ponte_core is linked in statically with hidden visibility: none of it leaks out.
+  EXPECT_EQ(dlsym(l.handle, "_ZN5ponte13global_configEv"), nullptr);
+  EXPECT_EQ(dlsym(l.handle, "_ZN5ponte6Engine6createENS_13EngineOptionsE"), nullptr);
+}
+
+TEST_F(PluginTest, PropertiesAndLogging) {
+  PropertiesV11 p;
+  std::memset(&p, 0xab, sizeof(p));
+  ASSERT_OK(net()->get_properties(0, &p));
+  ASSERT_NE(p.name, nullptr);
+  EXPECT_GT(std::strlen(p.name), 0u);
+  EXPECT_EQ(p.ptr_support, kPtrHost) << "no GPUDirect on this host";
+  EXPECT_EQ(p.max_recvs, 8);
+  EXPECT_GT(p.max_comms, 0);
+  EXPECT_GT(p.speed, 0);
+  EXPECT_EQ(p.reg_is_global, 1);
+  EXPECT_EQ(p.net_device_type, kDeviceHost);
+  EXPECT_EQ(p.vprops.ndevs, 1);
+  EXPECT_EQ(p.vprops.devs[0], 0);
+  EXPECT_GE(p.max_p2p_bytes, size_t{1} << 31);
+  EXPECT_EQ(p.max_multi_request_size, 1);
+  if (p.pci_path) {
+    EXPECT_EQ(std::strncmp(p.pci_path, "/sys/", 5), 0) << p.pci_path;
+  } else {
+    EXPECT_EQ(p.speed, 100000) << "a NIC without a PCI device (loopback) reports the default";
+  }
+  // NCCL_DEBUG=INFO shows ponte's lines: they went through NCCL's logger.
+  EXPECT_TRUE(log_record().contains("NET/ponte")) << "nothing logged through NCCL's logger";
+  EXPECT_TRUE(log_record().contains("backend"));
+  EXPECT_TRUE(log_record().contains("GPUDirect"));
+  // Bad device indexes are errors, not crashes.
+  EXPECT_EQ(net()->get_properties(-1, &p), kInvalidArgument);
+  EXPECT_EQ(net()->get_properties(net().devices(), &p), kInvalidArgument);
+  EXPECT_NE(net()->get_properties(0, nullptr), kSuccess);
+}
+
+TEST_F(PluginTest, ConnectAndAcceptNeverBlockAndReachSelf) {
+  Handle h;
+  void* listen = nullptr;
+  ASSERT_OK(net()->listen(net().ctx(), 0, h.bytes, &listen));
+  ASSERT_NE(listen, nullptr);
+  void* send = nullptr;
+  void* recv = nullptr;
+  DeviceHandle* dh = nullptr;
+  // Before anyone connected, accept returns at once with nothing.
+  const auto t0 = Clock::now();
+  ASSERT_OK(net()->accept(listen, &recv, &dh));
+  EXPECT_EQ(recv, nullptr);
+  int calls = 0;
+  const auto deadline = Clock::now() + kDeadline;
+  while ((!send || !recv) && Clock::now() < deadline) {
+    const auto c0 = Clock::now();
+    if (!send) ASSERT_OK(net()->connect(net().ctx(), 0, h.bytes, &send, &dh));
+    if (!recv) ASSERT_OK(net()->accept(listen, &recv, &dh));
+    EXPECT_LT(Clock::now() - c0, 2s) << "connect/accept blocked";
+    ++calls;
+  }
+  ASSERT_NE(send, nullptr);
+  ASSERT_NE(recv, nullptr);
+  EXPECT_GT(calls, 0);
+  (void)t0;
+  Pair p{send, recv, nullptr};
+  transfer(p, 4096, 4096, 1);
+  ASSERT_OK(net()->close_listen(listen));
+  close_pair(net(), &p);
+}
+
+TEST_F(PluginTest, SizesFromZeroTo64MiBByteForByte) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  const size_t sizes[] = {0, 1, 7, 64, 4095, 4096, 65537, kMiB, 4 * kMiB + 3, 64 * kMiB};
+  uint32_t seed = 100;
+  for (size_t s : sizes) {
+    SCOPED_TRACE(s);
+    transfer(p, s, s, seed++);
+  }
+  // A receive larger than the send: test() reports what was sent.
+  transfer(p, 1000, 8192, seed++);
+  transfer(p, 0, 4096, seed++);
+  // Zero bytes with no buffer and no memory handle at all, on both sides.
+  void* data[1] = {nullptr};
+  size_t zero[1] = {0};
+  int tags[1] = {7};
+  void* mhs[1] = {nullptr};
+  void* rreq = nullptr;
+  void* sreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, 1, data, zero, tags, mhs, &rreq));
+  ASSERT_OK(post_send(net(), p.send, nullptr, 0, 7, nullptr, &sreq));
+  int s = -1, r[8] = {-1};
+  ASSERT_OK(wait_request(net(), sreq, &s));
+  ASSERT_OK(wait_request(net(), rreq, r));
+  EXPECT_EQ(s, 0);
+  EXPECT_EQ(r[0], 0);
+  close_pair(net(), &p);
+}
+
+TEST_F(PluginTest, EightInFlightAndThirtyTwoPostedReceives) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  for (int window : {8, 32}) {
+    SCOPED_TRACE(window);
+    const size_t size = 256 * 1024 + 13;
+    std::vector<std::unique_ptr<Buffer>> src, dst;
+    std::vector<void*> rreq(window), sreq(window);
+    for (int i = 0; i < window; ++i) {
+      src.push_back(std::make_unique<Buffer>(net(), p.send, size));
+      dst.push_back(std::make_unique<Buffer>(net(), p.recv, size));
+      fill(src.back()->data(), size, 1000 + i);
+    }
+    for (int i = 0; i < window; ++i) {  // all receives first: 32 requests in flight on the comm
+      void* data[1] = {dst[i]->data()};
+      size_t sizes[1] = {size};
+      int tags[1] = {3};
+      void* mhs[1] = {dst[i]->mh()};
+      ASSERT_OK(net()->irecv(p.recv, 1, data, sizes, tags, mhs, nullptr, &rreq[i]));
+      ASSERT_NE(rreq[i], nullptr) << "receive " << i << " of " << window << " refused";
+    }
+    for (int i = 0; i < window; ++i)
+      ASSERT_OK(post_send(net(), p.send, src[i]->data(), size, 3, src[i]->mh(), &sreq[i]));
+    // Test in reverse order: completion does not depend on the order NCCL tests in.
+    for (int i = window - 1; i >= 0; --i) {
+      int s = 0, r[8] = {0};
+      ASSERT_OK(wait_request(net(), sreq[i], &s));
+      ASSERT_OK(wait_request(net(), rreq[i], r));
+      EXPECT_EQ(r[0], static_cast<int>(size));
+    }
+    for (int i = 0; i < window; ++i)
+      EXPECT_EQ(mismatch(dst[i]->data(), size, 1000 + i), SIZE_MAX) << "message " << i;
+  }
+  close_pair(net(), &p);
+}
+
+TEST_F(PluginTest, GroupedReceiveTagsPickTheSlot) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  constexpr int n = 8;
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  void* data[n];
+  size_t sizes[n];
+  int tags[n];
+  void* mhs[n];
+  for (int i = 0; i < n; ++i) {
+    sizes[i] = 1000 * (i + 1) + (i == 5 ? 2 * kMiB : 0);
+    tags[i] = 50 + i;
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, sizes[i]));
+    src.push_back(std::make_unique<Buffer>(net(), p.send, sizes[i]));
+    fill(src.back()->data(), sizes[i], 500 + tags[i]);
+    data[i] = dst[i]->data();
+    mhs[i] = dst[i]->mh();
+  }
+  void* rreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, n, data, sizes, tags, mhs, &rreq));
+  // Sends in reverse tag order, some shorter than the buffer: each lands in its tag's buffer.
+  std::vector<void*> sreq(n);
+  for (int i = n - 1; i >= 0; --i) {
+    const size_t len = i % 3 == 0 ? sizes[i] / 2 : sizes[i];
+    ASSERT_OK(post_send(net(), p.send, src[i]->data(), len, tags[i], src[i]->mh(), &sreq[i]));
+  }
+  for (int i = 0; i < n; ++i) {
+    int s = 0;
+    ASSERT_OK(wait_request(net(), sreq[i], &s));
+  }
+  int got[n];
+  ASSERT_OK(wait_request(net(), rreq, got));
+  for (int i = 0; i < n; ++i) {
+    const size_t len = i % 3 == 0 ? sizes[i] / 2 : sizes[i];
+    EXPECT_EQ(got[i], static_cast<int>(len)) << "buffer " << i;
+    EXPECT_EQ(mismatch(dst[i]->data(), len, 500 + tags[i]), SIZE_MAX) << "buffer " << i;
+  }
+  // A send whose tag the grouped receive does not hold waits (NULL request), it is not matched.
+  void* req = nullptr;
+  ASSERT_OK(net()->isend(p.send, src[0]->data(), 10, 999, src[0]->mh(), nullptr, &req));
+  EXPECT_EQ(req, nullptr);
+  close_pair(net(), &p);
+}
+
+TEST_F(PluginTest, BadInputGivesErrorsNotCrashes) {
+  Handle zeros;
+  void* comm = nullptr;
+  DeviceHandle* dh = nullptr;
+  EXPECT_NE(net()->connect(net().ctx(), 0, zeros.bytes, &comm, &dh), kSuccess);
+  EXPECT_EQ(comm, nullptr);
+  Handle junk;
+  for (size_t i = 0; i < sizeof(junk.bytes); ++i) junk.bytes[i] = static_cast<uint8_t>(i * 37 + 1);
+  EXPECT_NE(net()->connect(net().ctx(), 0, junk.bytes, &comm, &dh), kSuccess);
+  void* listen = nullptr;
+  Handle h;
+  EXPECT_NE(net()->listen(net().ctx(), net().devices() + 3, h.bytes, &listen), kSuccess);
+  EXPECT_NE(net()->listen(net().ctx(), -1, h.bytes, &listen), kSuccess);
+  EXPECT_NE(net()->connect(net().ctx(), 99, h.bytes, &comm, &dh), kSuccess);
+  EXPECT_NE(net()->accept(nullptr, &comm, &dh), kSuccess);
+  EXPECT_NE(net()->close_send(nullptr), kSuccess);
+  EXPECT_NE(net()->close_recv(&zeros), kSuccess);
+  int done = 0;
+  EXPECT_NE(net()->test(nullptr, &done, nullptr), kSuccess);
+  EXPECT_NE(net()->test(&zeros, &done, nullptr), kSuccess);
+
+  // A handle from a listener that was closed: connect fails (the listener refuses), in time.
+  ASSERT_OK(net()->listen(net().ctx(), 0, h.bytes, &listen));
+  ASSERT_OK(net()->close_listen(listen));
+  NcclResult r = kSuccess;
+  const auto deadline = Clock::now() + 20s;
+  while (r == kSuccess && !comm && Clock::now() < deadline) {
+    r = net()->connect(net().ctx(), 0, h.bytes, &comm, &dh);
+    std::this_thread::yield();
+  }
+  EXPECT_NE(r, kSuccess) << "connect to a closed listener must fail, not hang";
+  EXPECT_EQ(comm, nullptr);
+
+  // Memory: unregistered, outside the registration, too many grouped receives, GPU memory
+  // without GPUDirect.
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  Buffer b(net(), p.recv, 4096);
+  ASSERT_OK(b.result);
+  void* mh = nullptr;
+  EXPECT_NE(net()->reg_mr(p.recv, b.data(), 4096, kPtrCuda, &mh), kSuccess);
+  EXPECT_NE(net()->reg_mr(p.recv, b.data(), 4096, 77, &mh), kSuccess);
+  EXPECT_NE(net()->reg_mr(nullptr, b.data(), 4096, kPtrHost, &mh), kSuccess);
+  void* req = nullptr;
+  void* data[9];
+  size_t sizes[9];
+  int tags[9];
+  void* mhs[9];
+  for (int i = 0; i < 9; ++i) {
+    data[i] = b.data();
+    sizes[i] = 16;
+    tags[i] = i;
+    mhs[i] = b.mh();
+  }
+  EXPECT_EQ(net()->irecv(p.recv, 9, data, sizes, tags, mhs, nullptr, &req), kInvalidArgument);
+  EXPECT_EQ(net()->irecv(p.recv, 0, data, sizes, tags, mhs, nullptr, &req), kInvalidArgument);
+  void* no_mh[1] = {nullptr};
+  EXPECT_EQ(net()->irecv(p.recv, 1, data, sizes, tags, no_mh, nullptr, &req), kInvalidArgument);
+  size_t too_big[1] = {8192 + 4096};  // past the end of the (page-rounded) registration
+  EXPECT_EQ(net()->irecv(p.recv, 1, data, too_big, tags, mhs, nullptr, &req), kInvalidArgument);
+  EXPECT_EQ(req, nullptr);
+  // Sending from unregistered memory: posted receive first, then isend without a handle.
+  Buffer dst(net(), p.recv, 4096);
+  void* d1[1] = {dst.data()};
+  size_t s1[1] = {4096};
+  int t1[1] = {1};
+  void* m1[1] = {dst.mh()};
+  void* rreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, 1, d1, s1, t1, m1, &rreq));
+  std::vector<uint8_t> unregistered(4096, 1);
+  const auto d2 = Clock::now() + 20s;
+  r = kSuccess;
+  while (r == kSuccess && Clock::now() < d2) {
+    r = net()->isend(p.send, unregistered.data(), 4096, 1, nullptr, nullptr, &req);
+    if (req) break;
+  }
+  EXPECT_EQ(r, kInvalidArgument);
+  EXPECT_EQ(req, nullptr);
+  // The comm still works afterwards: the same receive completes from a proper send.
+  Buffer src(net(), p.send, 4096);
+  fill(src.data(), 4096, 77);
+  void* sreq = nullptr;
+  ASSERT_OK(post_send(net(), p.send, src.data(), 4096, 1, src.mh(), &sreq));
+  int s = 0, rs[8] = {0};
+  ASSERT_OK(wait_request(net(), sreq, &s));
+  ASSERT_OK(wait_request(net(), rreq, rs));
+  EXPECT_EQ(mismatch(dst.data(), 4096, 77), SIZE_MAX);
+  close_pair(net(), &p);
+
+  // And new connections still work.
+  Pair q;
+  ASSERT_OK(connect_pair(net(), 0, 0, &q));
+  transfer(q, 12345, 12345, 9);
+  close_pair(net(), &q);
+}
+
+TEST_F(PluginTest, SeveralCommsFromSeveralThreads) {
+  constexpr int kThreads = 4;
+  constexpr int kMessages = 40;
+  std::atomic<int> failures{0};
+  std::vector<std::string> errors(kThreads);
+  auto worker = [&](int t) {
+    Pair p;
+    if (connect_pair(net(), 0, 0, &p) != kSuccess) {
+      errors[t] = "connect";
+      ++failures;
+      return;
+    }
+    {
+      const size_t size = 64 * 1024 * (t + 1) + t;
+      Buffer src(net(), p.send, size), dst(net(), p.recv, size);
+      for (int m = 0; m < kMessages && errors[t].empty(); ++m) {
+        const uint32_t seed = static_cast<uint32_t>(t * 1000 + m);
+        fill(src.data(), size, seed);
+        void* rreq = nullptr;
+        void* sreq = nullptr;
+        void* data[1] = {dst.data()};
+        size_t sizes[1] = {size};
+        int tags[1] = {t};
+        void* mhs[1] = {dst.mh()};
+        int s = 0, r[8] = {0};
+        if (post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq) != kSuccess ||
+            post_send(net(), p.send, src.data(), size, t, src.mh(), &sreq) != kSuccess ||
+            wait_request(net(), sreq, &s) != kSuccess || wait_request(net(), rreq, r) != kSuccess)
+          errors[t] = "transfer " + std::to_string(m);
+        else if (mismatch(dst.data(), size, seed) != SIZE_MAX)
+          errors[t] = "data of message " + std::to_string(m);
+      }
+      if (!errors[t].empty()) ++failures;
+    }
+    close_pair(net(), &p);
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(worker, t);
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(errors[t].empty()) << "thread " << t << ": " << errors[t];
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_F(PluginTest, CloseWithWorkOutstanding) {
+  for (int round = 0; round < 3; ++round) {
+    Pair p;
+    ASSERT_OK(connect_pair(net(), 0, 0, &p, /*keep_listen=*/true));
+    auto dst = std::make_unique<Buffer>(net(), p.recv, kMiB);
+    auto src = std::make_unique<Buffer>(net(), p.send, kMiB);
+    // Receives posted, never matched; one send in flight; a listener with a queued connection.
+    for (int i = 0; i < 4; ++i) {
+      void* req = nullptr;
+      void* data[1] = {dst->data()};
+      size_t sizes[1] = {kMiB};
+      int tags[1] = {i};
+      void* mhs[1] = {dst->mh()};
+      ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &req));
+    }
+    void* sreq = nullptr;
+    ASSERT_OK(post_send(net(), p.send, src->data(), kMiB, 0, src->mh(), &sreq));
+    Handle h;
+    void* listen2 = nullptr;
+    ASSERT_OK(net()->listen(net().ctx(), 0, h.bytes, &listen2));
+    void* pending_send = nullptr;
+    DeviceHandle* dh = nullptr;
+    ASSERT_OK(net()->connect(net().ctx(), 0, h.bytes, &pending_send, &dh));
+    // Close everything with the work outstanding.
+    EXPECT_OK(net()->close_send(p.send));
+    EXPECT_OK(net()->close_recv(p.recv));
+    EXPECT_OK(net()->close_listen(p.listen));
+    EXPECT_OK(net()->close_listen(listen2));
+    src.reset();
+    dst.reset();
+    // The abandoned connect fails (its listener is gone) or completes; it never hangs.
+    NcclResult r = kSuccess;
+    const auto deadline = Clock::now() + 20s;
+    while (r == kSuccess && !pending_send && Clock::now() < deadline)
+      r = net()->connect(net().ctx(), 0, h.bytes, &pending_send, &dh);
+    EXPECT_TRUE(r != kSuccess || pending_send != nullptr) << "abandoned connect hung";
+    if (pending_send) net()->close_send(pending_send);
+  }
+  // The plugin still makes working connections.
+  Pair q;
+  ASSERT_OK(connect_pair(net(), 0, 0, &q));
+  transfer(q, 3 * kMiB + 1, 3 * kMiB + 1, 31);
+  close_pair(net(), &q);
+}
+
+TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
+  // Device 0 fused with itself: the engine opens the NIC twice, and writes above the stripe
+  // threshold are split over both.
+  VDeviceProps vp{};
+  vp.ndevs = 2;
+  vp.devs[0] = 0;
+  vp.devs[1] = 0;
+  int vdev = -1;
+  const int before = net().devices();
+  ASSERT_OK(net()->make_vdevice(&vdev, &vp));
+  EXPECT_EQ(vdev, before);
+  EXPECT_EQ(net().devices(), before + 1);
+  PropertiesV11 p0, pv;
+  ASSERT_OK(net()->get_properties(0, &p0));
+  ASSERT_OK(net()->get_properties(vdev, &pv));
+  EXPECT_EQ(pv.vprops.ndevs, 2);
+  EXPECT_EQ(pv.speed, 2 * p0.speed);
+  EXPECT_NE(std::string(pv.name), std::string(p0.name));
+  VDeviceProps bad{};
+  bad.ndevs = 5;
+  EXPECT_NE(net()->make_vdevice(&vdev, &bad), kSuccess);
+  bad.ndevs = 1;
+  bad.devs[0] = 1000;
+  EXPECT_NE(net()->make_vdevice(&vdev, &bad), kSuccess);
+
+  Pair p;
+  ASSERT_OK(connect_pair(net(), before, before, &p));
+  for (size_t s : {size_t{0}, size_t{100}, kMiB + 7, 16 * kMiB}) transfer(p, s, s, 900 + static_cast<uint32_t>(s));
+  close_pair(net(), &p);
+}
+
+TEST_F(PluginTest, FourNicDeviceConnectsThroughABootstrapGroup) {
+  // Four NICs' engine address is longer than NCCL's handle holds (tcp: 106 > 104 bytes): the
+  // handle names a one-NIC bootstrap group and the listener answers from the fused group.
+  VDeviceProps vp{};
+  vp.ndevs = 4;
+  int vdev = -1;
+  ASSERT_OK(net()->make_vdevice(&vdev, &vp));
+  Handle h;
+  void* listen = nullptr;
+  ASSERT_OK(net()->listen(net().ctx(), vdev, h.bytes, &listen));
+  EXPECT_EQ(h.bytes[1], 'B') << "expected a bootstrap handle for a four-NIC device";
+  ASSERT_OK(net()->close_listen(listen));
+  Pair p;
+  ASSERT_OK(connect_pair(net(), vdev, vdev, &p));
+  for (size_t s : {size_t{0}, size_t{4096}, 16 * kMiB + 3}) transfer(p, s, s, 70 + static_cast<uint32_t>(s));
+  close_pair(net(), &p);
+}
+
+TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
+  ASSERT_NE(lib().v11, nullptr) << lib().error;
+  NetV11* t = lib().v11;
+  EXPECT_OK(t->finalize(nullptr));  // a context from an init that failed early
+  for (int round = 0; round < 2; ++round) {
+    Net a(t), b(t);  // two communicators: two references
+    ASSERT_OK(a.init_result);
+    ASSERT_OK(b.init_result);
+    ASSERT_GT(a.devices(), 0);
+    Pair p;
+    ASSERT_OK(connect_pair(a, 0, 0, &p));
+    Buffer src(a, p.send, 1000), dst(a, p.recv, 1000);
+    fill(src.data(), 1000, 5);
+    void* data[1] = {dst.data()};
+    size_t sizes[1] = {1000};
+    int tags[1] = {0};
+    void* mhs[1] = {dst.mh()};
+    void* rreq = nullptr;
+    void* sreq = nullptr;
+    ASSERT_OK(post_recv(a, p.recv, 1, data, sizes, tags, mhs, &rreq));
+    ASSERT_OK(post_send(a, p.send, src.data(), 1000, 0, src.mh(), &sreq));
+    int s = 0, r[8] = {0};
+    ASSERT_OK(wait_request(a, sreq, &s));
+    ASSERT_OK(wait_request(a, rreq, r));
+    EXPECT_EQ(mismatch(dst.data(), 1000, 5), SIZE_MAX);
+    close_pair(a, &p);
+  }  // both finalized: the engine closes; the next round probes again
+}
+
+// ---- other processes --------------------------------------------------------------------------
+
+std::string join_sizes(const std::vector<size_t>& v) {
+  std::string s;
+  for (size_t x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+std::vector<size_t> split_sizes(const std::string& s) {
+  std::vector<size_t> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) v.push_back(std::stoull(x));
+  return v;
+}
+
+TEST(PluginProcesses, NoDevicesUnlessTheProviderIsNamed) {
+  // With the default provider (efa) and no EFA device, ponte offers no device, so NCCL falls back
+  // to its own transports: init succeeds, devices() == 0.
+  Peer peer({"devices"}, {"PONTE_FABRIC_PROVIDER=efa", "PONTE_BACKEND=fabric"});
+  ASSERT_TRUE(peer.started());
+  std::string out;
+  ASSERT_TRUE(peer.channel().recv_str(&out, 60000)) << "peer did not answer";
+  EXPECT_EQ(out, "init=0 devices=0");
+  EXPECT_EQ(peer.wait_exit(30000), 0);
+}
+
+TEST(PluginProcesses, TwoProcessesBothDirectionsByteForByte) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  const std::vector<size_t> sizes = {0, 1, 4096, 100000, 2 * kMiB + 5, 64 * kMiB};
+  // The peer receives: it listens, we connect and send.
+  {
+    Peer peer({"recv", join_sizes(sizes)});
+    ASSERT_TRUE(peer.started());
+    std::vector<uint8_t> handle;
+    ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
+    ASSERT_EQ(handle.size(), kHandleMaxSize);
+    void* send = nullptr;
+    DeviceHandle* dh = nullptr;
+    const auto deadline = Clock::now() + kDeadline;
+    while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), 0, handle.data(), &send, &dh));
+    ASSERT_NE(send, nullptr);
+    uint32_t seed = 1;
+    for (size_t s : sizes) {
+      Buffer src(net, send, s);
+      fill(src.data(), s, seed++);
+      void* req = nullptr;
+      ASSERT_OK(post_send(net, send, src.data(), s, 0, src.mh(), &req));
+      int got = -1;
+      ASSERT_OK(wait_request(net, req, &got));
+      EXPECT_EQ(got, static_cast<int>(s));
+    }
+    std::string verdict;
+    ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
+    EXPECT_EQ(verdict, "ok");
+    EXPECT_EQ(peer.wait_exit(30000), 0);
+    net->close_send(send);
+  }
+  // The peer sends: we listen, it connects.
+  {
+    Peer peer({"send", join_sizes(sizes)});
+    ASSERT_TRUE(peer.started());
+    Handle h;
+    void* listen = nullptr;
+    ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
+    ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
+    void* recv = nullptr;
+    DeviceHandle* dh = nullptr;
+    const auto deadline = Clock::now() + kDeadline;
+    while (!recv && Clock::now() < deadline) ASSERT_OK(net->accept(listen, &recv, &dh));
+    ASSERT_NE(recv, nullptr);
+    uint32_t seed = 1;
+    for (size_t s : sizes) {
+      Buffer dst(net, recv, s + 100);
+      void* data[1] = {dst.data()};
+      size_t cap[1] = {s + 100};
+      int tags[1] = {0};
+      void* mhs[1] = {dst.mh()};
+      void* req = nullptr;
+      ASSERT_OK(post_recv(net, recv, 1, data, cap, tags, mhs, &req));
+      int got[8] = {-1};
+      ASSERT_OK(wait_request(net, req, got));
+      EXPECT_EQ(got[0], static_cast<int>(s));
+      EXPECT_EQ(mismatch(dst.data(), s, seed++), SIZE_MAX) << s << " bytes";
+    }
+    std::string verdict;
+    ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
+    EXPECT_EQ(verdict, "ok");
+    EXPECT_EQ(peer.wait_exit(30000), 0);
+    net->close_recv(recv);
+    net->close_listen(listen);
+  }
+}
+
+TEST(PluginProcesses, TwoProcessesFourNicDevicesThroughBootstrap) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  VDeviceProps vp{};
+  vp.ndevs = 4;
+  int dev = -1;
+  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  const std::vector<size_t> sizes = {0, 5000, 3 * kMiB + 1, 16 * kMiB};
+  Peer peer({"recv", join_sizes(sizes), "4"});
+  ASSERT_TRUE(peer.started());
+  std::vector<uint8_t> handle;
+  ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
+  EXPECT_EQ(handle[1], 'B');
+  void* send = nullptr;
+  DeviceHandle* dh = nullptr;
+  const auto deadline = Clock::now() + kDeadline;
+  while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), dev, handle.data(), &send, &dh));
+  ASSERT_NE(send, nullptr);
+  uint32_t seed = 1;
+  for (size_t s : sizes) {
+    Buffer src(net, send, s);
+    fill(src.data(), s, seed++);
+    void* req = nullptr;
+    ASSERT_OK(post_send(net, send, src.data(), s, 0, src.mh(), &req));
+    int got = -1;
+    ASSERT_OK(wait_request(net, req, &got));
+    EXPECT_EQ(got, static_cast<int>(s));
+  }
+  std::string verdict;
+  ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
+  EXPECT_EQ(verdict, "ok");
+  EXPECT_EQ(peer.wait_exit(30000), 0);
+  net->close_send(send);
+}
+
+// Sends until the peer (the receiver) is killed: the sender's isend/test fail, nothing hangs.
+TEST(PluginProcesses, ReceiverKilledMidStreamFailsTheSender) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  Peer peer({"recv_forever"});
+  ASSERT_TRUE(peer.started());
+  std::vector<uint8_t> handle;
+  ASSERT_TRUE(peer.channel().recv(&handle));
+  void* send = nullptr;
+  DeviceHandle* dh = nullptr;
+  const auto deadline = Clock::now() + kDeadline;
+  while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), 0, handle.data(), &send, &dh));
+  ASSERT_NE(send, nullptr);
+  Buffer src(net, send, 4 * kMiB);
+  fill(src.data(), 4 * kMiB, 3);
+  int sent = 0;
+  NcclResult failure = kSuccess;
+  const auto end = Clock::now() + 60s;
+  std::vector<void*> inflight;
+  while (failure == kSuccess && Clock::now() < end) {
+    if (sent == 20) peer.kill();  // mid-stream
+    void* req = nullptr;
+    NcclResult r = net->isend(send, src.data(), 4 * kMiB, 0, src.mh(), nullptr, &req);
+    if (r != kSuccess) {
+      failure = r;
+      break;
+    }
+    if (req) {
+      inflight.push_back(req);
+      ++sent;
+    }
+    for (size_t i = 0; i < inflight.size();) {
+      int done = 0, size = 0;
+      r = net->test(inflight[i], &done, &size);
+      if (r != kSuccess) {
+        failure = r;
+        break;
+      }
+      if (done) {
+        inflight[i] = inflight.back();
+        inflight.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  EXPECT_GE(sent, 20);
+  EXPECT_TRUE(failure == kRemoteError || failure == kSystemError)
+      << "sender did not see the receiver die (result " << failure << ", " << sent << " sent)";
+  net->close_send(send);
+  // The plugin still connects afterwards.
+  Pair q;
+  ASSERT_OK(connect_pair(net, 0, 0, &q));
+  close_pair(net, &q);
+}
+
+// Receives while the peer (the sender) is killed: the pending receive fails, nothing hangs.
+TEST(PluginProcesses, SenderKilledMidStreamFailsTheReceiver) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  Peer peer({"send_forever"});
+  ASSERT_TRUE(peer.started());
+  Handle h;
+  void* listen = nullptr;
+  ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
+  ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
+  void* recv = nullptr;
+  DeviceHandle* dh = nullptr;
+  const auto deadline = Clock::now() + kDeadline;
+  while (!recv && Clock::now() < deadline) ASSERT_OK(net->accept(listen, &recv, &dh));
+  ASSERT_NE(recv, nullptr);
+  Buffer dst(net, recv, kMiB);
+  int received = 0;
+  NcclResult failure = kSuccess;
+  const auto end = Clock::now() + 60s;
+  while (failure == kSuccess && Clock::now() < end) {
+    if (received == 10) peer.kill();
+    void* data[1] = {dst.data()};
+    size_t cap[1] = {kMiB};
+    int tags[1] = {0};
+    void* mhs[1] = {dst.mh()};
+    void* req = nullptr;
+    failure = post_recv(net, recv, 1, data, cap, tags, mhs, &req);
+    if (failure != kSuccess) break;
+    int got[8];
+    failure = wait_request(net, req, got, 30s);
+    if (failure == kSuccess) ++received;
+  }
+  EXPECT_GE(received, 10);
+  EXPECT_TRUE(failure == kRemoteError || failure == kSystemError)
+      << "receiver did not see the sender die (result " << failure << ")";
+  net->close_recv(recv);
+  net->close_listen(listen);
+}
+
+TEST(PluginProcesses, V8TableMovesData) {
+  // v8 (NCCL 2.19-2.21) takes a reference that is never finalized: run it in its own process.
+  Peer peer({"v8"});
+  ASSERT_TRUE(peer.started());
+  std::string out;
+  ASSERT_TRUE(peer.channel().recv_str(&out, 120000));
+  EXPECT_EQ(out, "ok");
+  EXPECT_EQ(peer.wait_exit(30000), 0);
+}
+
+// ---- peer roles (this binary started with --ponte-peer) ---------------------------------------
+
+int peer_main(int argc, char** argv) {
+  set_test_environment();
+  Channel ch(3);
+  const std::string role = argc > 2 ? argv[2] : "";
+  auto fail = [&](const std::string& why) {
+    ch.send_str(why);
+    return 1;
+  };
+  if (role == "devices") {
+    Net net;
+    ch.send_str("init=" + std::to_string(net.init_result) + " devices=" + std::to_string(net.devices()));
+    return 0;
+  }
+  if (role == "v8") {
+    NetV8* t = lib().v8;
+    if (!t || t->init(&test_logger) != kSuccess) return fail("v8 init");
+    int n = 0;
+    if (t->devices(&n) != kSuccess || n < 1) return fail("v8 devices");
+    PropertiesV8 props;
+    if (t->get_properties(0, &props) != kSuccess || props.max_recvs != 8) return fail("v8 props");
+    Handle h;
+    void* listen = nullptr;
+    void* send = nullptr;
+    void* recv = nullptr;
+    DeviceHandle* dh = nullptr;
+    if (t->listen(0, h.bytes, &listen) != kSuccess) return fail("v8 listen");
+    const auto deadline = Clock::now() + kDeadline;
+    while ((!send || !recv) && Clock::now() < deadline) {
+      if (!send && t->connect(0, h.bytes, &send, &dh) != kSuccess) return fail("v8 connect");
+      if (!recv && t->accept(listen, &recv, &dh) != kSuccess) return fail("v8 accept");
+    }
+    if (!send || !recv) return fail("v8 connect timeout");
+    std::vector<uint8_t> a(100000), b(100000 + 10);
+    fill(a.data(), a.size(), 42);
+    void* ma = nullptr;
+    void* mb = nullptr;
+    if (t->reg_mr(send, a.data(), a.size(), kPtrHost, &ma) != kSuccess ||
+        t->reg_mr(recv, b.data(), b.size(), kPtrHost, &mb) != kSuccess)
+      return fail("v8 regMr");
+    void* data[1] = {b.data()};
+    int sizes[1] = {static_cast<int>(b.size())};
+    int tags[1] = {1};
+    void* mhs[1] = {mb};
+    void* rreq = nullptr;
+    void* sreq = nullptr;
+    while (!rreq && Clock::now() < deadline)
+      if (t->irecv(recv, 1, data, sizes, tags, mhs, &rreq) != kSuccess) return fail("v8 irecv");
+    while (!sreq && Clock::now() < deadline)
+      if (t->isend(send, a.data(), static_cast<int>(a.size()), 1, ma, &sreq) != kSuccess)
+        return fail("v8 isend");
+    int done = 0, got = 0;
+    while (!done && Clock::now() < deadline)
+      if (t->test(sreq, &done, &got) != kSuccess) return fail("v8 test send");
+    done = 0;
+    int rgot[8] = {0};
+    while (!done && Clock::now() < deadline)
+      if (t->test(rreq, &done, rgot) != kSuccess) return fail("v8 test recv");
+    if (!done || rgot[0] != static_cast<int>(a.size())) return fail("v8 size");
+    if (mismatch(b.data(), a.size(), 42) != SIZE_MAX) return fail("v8 data");
+    if (t->isend(send, a.data(), -1, 1, ma, &sreq) == kSuccess) return fail("v8 negative size");
+    t->dereg_mr(send, ma);
+    t->dereg_mr(recv, mb);
+    t->close_send(send);
+    t->close_recv(recv);
+    t->close_listen(listen);
+    ch.send_str("ok");
+    return 0;
+  }
+  Net net;
+  if (net.init_result != kSuccess || net.devices() < 1) return fail("init");
+  if (role == "recv" || role == "recv_forever") {
+    // Optional argv[4]: listen on a device fused from that many NICs.
+    int dev = 0;
+    if (argc > 4 && std::atoi(argv[4]) > 1) {
+      VDeviceProps vp{};
+      vp.ndevs = std::atoi(argv[4]);
+      if (net->make_vdevice(&dev, &vp) != kSuccess) return fail("makeVDevice");
+    }
+    Handle h;
+    void* listen = nullptr;
+    if (net->listen(net.ctx(), dev, h.bytes, &listen) != kSuccess) return fail("listen");
+    ch.send(h.bytes, sizeof(h.bytes));
+    void* recv = nullptr;
+    DeviceHandle* dh = nullptr;
+    const auto deadline = Clock::now() + kDeadline;
+    while (!recv && Clock::now() < deadline)
+      if (net->accept(listen, &recv, &dh) != kSuccess) return fail("accept");
+    if (!recv) return fail("accept timeout");
+    if (role == "recv_forever") {  // receive until killed
+      Buffer dst(net, recv, 4 * kMiB);
+      for (;;) {
+        void* data[1] = {dst.data()};
+        size_t cap[1] = {4 * kMiB};
+        int tags[1] = {0};
+        void* mhs[1] = {dst.mh()};
+        void* req = nullptr;
+        if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess) return 1;
+        int got[8];
+        if (wait_request(net, req, got, 120s) != kSuccess) return 1;
+      }
+    }
+    uint32_t seed = 1;
+    for (size_t s : split_sizes(argv[3])) {
+      Buffer dst(net, recv, s);
+      void* data[1] = {dst.data()};
+      size_t cap[1] = {s};
+      int tags[1] = {0};
+      void* mhs[1] = {dst.mh()};
+      void* req = nullptr;
+      int got[8] = {-1};
+      if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess ||
+          wait_request(net, req, got) != kSuccess)
+        return fail("receive of " + std::to_string(s));
+      if (got[0] != static_cast<int>(s) || mismatch(dst.data(), s, seed++) != SIZE_MAX)
+        return fail("data of " + std::to_string(s));
+    }
+    net->close_recv(recv);
+    net->close_listen(listen);
+    ch.send_str("ok");
+    return 0;
+  }
+  if (role == "send" || role == "send_forever") {
+    std::vector<uint8_t> handle;
+    if (!ch.recv(&handle) || handle.size() != kHandleMaxSize) return fail("handle");
+    void* send = nullptr;
+    DeviceHandle* dh = nullptr;
+    const auto deadline = Clock::now() + kDeadline;
+    while (!send && Clock::now() < deadline)
+      if (net->connect(net.ctx(), 0, handle.data(), &send, &dh) != kSuccess) return fail("connect");
+    if (!send) return fail("connect timeout");
+    if (role == "send_forever") {
+      Buffer src(net, send, kMiB);
+      for (;;) {
+        void* req = nullptr;
+        int got = 0;
+        if (post_send(net, send, src.data(), kMiB, 0, src.mh(), &req) != kSuccess ||
+            wait_request(net, req, &got, 120s) != kSuccess)
+          return 1;
+      }
+    }
+    uint32_t seed = 1;
+    for (size_t s : split_sizes(argv[3])) {
+      Buffer src(net, send, s);
+      fill(src.data(), s, seed++);
+      void* req = nullptr;
+      int got = -1;
+      if (post_send(net, send, src.data(), s, 0, src.mh(), &req) != kSuccess ||
+          wait_request(net, req, &got) != kSuccess || got != static_cast<int>(s))
+        return fail("send of " + std::to_string(s));
+    }
+    net->close_send(send);
+    ch.send_str("ok");
+    return 0;
+  }
+  return fail("unknown role " + role);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  set_test_environment();
+  if (argc > 1 && std::string(argv[1]) == "--ponte-peer") return peer_main(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

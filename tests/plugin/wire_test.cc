@@ -1,0 +1,195 @@
+// Unit tests of the NCCL transport's wire formats and immediate layout (plugin/wire.h).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "plugin/wire.h"
+
+using namespace ponte;
+using namespace ponte::plugin;
+
+namespace {
+
+RemoteRegion region(int nics, uint64_t addr = 0x7f0000001000, uint64_t len = 1 << 20) {
+  RemoteRegion r;
+  r.addr = addr;
+  r.len = len;
+  r.nics = static_cast<uint8_t>(nics);
+  for (int i = 0; i < nics; ++i) {
+    r.rkey[i] = 0x1000 + i;
+    r.remote_base[i] = addr;
+  }
+  return r;
+}
+
+TEST(PluginWire, HandleRoundTripAndStage) {
+  std::vector<uint8_t> addr(60);
+  for (size_t i = 0; i < addr.size(); ++i) addr[i] = static_cast<uint8_t>(i + 1);
+  uint8_t h[kHandleSize];
+  ASSERT_TRUE(encode_handle(ListenHandle{7, 0x1122334455667788ull, false, addr}, h).ok());
+  EXPECT_EQ(handle_stage(h), 0u);
+  set_handle_stage(h, 99);
+  auto d = decode_handle(h);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->listen_id, 7u);
+  EXPECT_EQ(d->nonce, 0x1122334455667788ull);
+  ASSERT_EQ(d->address.size(), addr.size());
+  EXPECT_EQ(std::memcmp(d->address.data(), addr.data(), addr.size()), 0);
+  EXPECT_EQ(handle_stage(h), 99u);
+  EXPECT_FALSE(d->bootstrap);
+  // A bootstrap handle ('B'): the address is a one-NIC group the listener answers through.
+  ASSERT_TRUE(encode_handle(ListenHandle{8, 9, true, addr}, h).ok());
+  auto b = decode_handle(h);
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->bootstrap);
+  EXPECT_EQ(b->listen_id, 8u);
+}
+
+TEST(PluginWire, HandleRejectsWhatItDoesNotUnderstand) {
+  uint8_t zeros[kHandleSize] = {};
+  EXPECT_EQ(decode_handle(zeros).status().code(), Code::kInvalidArgument);
+  std::vector<uint8_t> addr(20, 5);
+  uint8_t h[kHandleSize];
+  ASSERT_TRUE(encode_handle(ListenHandle{1, 2, false, addr}, h).ok());
+  uint8_t bad[kHandleSize];
+  std::memcpy(bad, h, kHandleSize);
+  bad[0] = 2;  // version
+  EXPECT_FALSE(decode_handle(bad).ok());
+  std::memcpy(bad, h, kHandleSize);
+  bad[1] = 'X';  // kind
+  EXPECT_FALSE(decode_handle(bad).ok());
+  std::memcpy(bad, h, kHandleSize);
+  bad[2] = 200;  // length beyond the handle's address room
+  EXPECT_FALSE(decode_handle(bad).ok());
+  std::memcpy(bad, h, kHandleSize);
+  std::memset(bad + 4, 0, 4);  // listen id 0
+  EXPECT_FALSE(decode_handle(bad).ok());
+  std::vector<uint8_t> huge(kHandleMaxAddress + 1, 1);
+  EXPECT_EQ(encode_handle(ListenHandle{1, 2, false, huge}, h).code(), Code::kInvalidArgument);
+}
+
+TEST(PluginWire, ConnectionMessagesRoundTrip) {
+  uint8_t buf[kMaxMsgSize];
+  ConnectMsg c;
+  c.listen_id = 3;
+  c.listen_nonce = 44;
+  c.token = 55;
+  c.sender_comm_id = 6;
+  c.fifo = region(4, 0x1000, kFifoBytes);
+  auto n = encode_connect(c, buf);
+  ASSERT_TRUE(n.ok());
+  ASSERT_EQ(peek_kind({buf, n.value()}).value(), MsgKind::kConnect);
+  auto dc = decode_connect({buf, n.value()});
+  ASSERT_TRUE(dc.ok()) << dc.status().message();
+  EXPECT_EQ(dc->listen_id, 3u);
+  EXPECT_EQ(dc->listen_nonce, 44u);
+  EXPECT_EQ(dc->token, 55u);
+  EXPECT_EQ(dc->sender_comm_id, 6u);
+  EXPECT_EQ(dc->fifo.nics, 4);
+  EXPECT_EQ(dc->fifo.rkey[3], 0x1003u);
+  EXPECT_TRUE(dc->reply_address.empty());
+  // With a reply address (bootstrap handles): it comes back whole.
+  c.reply_address.assign(170, 0x5a);
+  auto nb = encode_connect(c, buf);
+  ASSERT_TRUE(nb.ok());
+  auto db = decode_connect({buf, nb.value()});
+  ASSERT_TRUE(db.ok()) << db.status().message();
+  EXPECT_EQ(db->reply_address, c.reply_address);
+  EXPECT_FALSE(decode_connect({buf, nb.value() - 1}).ok());
+  c.reply_address.clear();
+  n = encode_connect(c, buf);
+  ASSERT_TRUE(n.ok());
+  // Truncated, or with a FIFO too small for the protocol: rejected.
+  EXPECT_FALSE(decode_connect({buf, n.value() - 1}).ok());
+  c.fifo.len = kFifoBytes - 1;
+  auto small = encode_connect(c, buf);
+  ASSERT_TRUE(small.ok());
+  EXPECT_FALSE(decode_connect({buf, small.value()}).ok());
+
+  AcceptMsg a;
+  a.token = 55;
+  a.receiver_comm_id = 9;
+  a.records = region(2, 0x2000, kRecordArea);
+  auto an = encode_accept(a, buf);
+  ASSERT_TRUE(an.ok());
+  auto da = decode_accept({buf, an.value()});
+  ASSERT_TRUE(da.ok()) << da.status().message();
+  EXPECT_EQ(da->token, 55u);
+  EXPECT_EQ(da->receiver_comm_id, 9u);
+  EXPECT_EQ(da->records.nics, 2);
+  EXPECT_FALSE(decode_connect({buf, an.value()}).ok()) << "an ACCEPT is not a CONNECT";
+  std::memset(buf + 12, 0, 4);  // comm id 0
+  EXPECT_FALSE(decode_accept({buf, an.value()}).ok());
+
+  const size_t rn = encode_reject(RejectMsg{77, RejectReason::kClosed}, buf);
+  auto dr = decode_reject({buf, rn});
+  ASSERT_TRUE(dr.ok());
+  EXPECT_EQ(dr->token, 77u);
+  EXPECT_EQ(dr->reason, RejectReason::kClosed);
+  EXPECT_FALSE(peek_kind({buf, 3}).ok());
+  buf[1] = 'Q';
+  EXPECT_FALSE(peek_kind({buf, rn}).ok());
+}
+
+TEST(PluginWire, CtsSlotRoundTrip) {
+  std::vector<uint8_t> slot(kCtsSlotBytes, 0xee);
+  const auto r4 = region(4).encode();
+  const auto r1 = region(1, 0x9000, 8192).encode();
+  CtsElem elems[3];
+  elems[0] = CtsElem{0, 1000, 11, r4};
+  elems[1] = CtsElem{4096, 4096, -5, r1};
+  elems[2] = CtsElem{0, 0, 12, {}};  // zero-byte receive without a registration
+  ASSERT_TRUE(encode_cts(1234, elems, slot.data()).ok());
+  auto n = decode_cts_header(slot.data(), 1234);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(n.value(), 3);
+  EXPECT_FALSE(decode_cts_header(slot.data(), 1235).ok()) << "another request's CTS";
+  CtsElem e;
+  RemoteRegion r;
+  ASSERT_TRUE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  EXPECT_EQ(e.offset, 4096u);
+  EXPECT_EQ(e.size, 4096u);
+  EXPECT_EQ(e.tag, -5);
+  EXPECT_EQ(r.nics, 1);
+  EXPECT_EQ(r.len, 8192u);
+  ASSERT_TRUE(decode_cts_elem(slot.data(), 2, &e, &r).ok());
+  EXPECT_EQ(e.size, 0u);
+  // A buffer that does not fit its region is refused.
+  elems[1].offset = 8000;
+  ASSERT_TRUE(encode_cts(1, elems, slot.data()).ok());
+  EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  // Bad counts.
+  std::vector<CtsElem> nine(9, elems[0]);
+  EXPECT_FALSE(encode_cts(1, nine, slot.data()).ok());
+  EXPECT_FALSE(encode_cts(1, {}, slot.data()).ok());
+  std::vector<uint8_t> zeros(kCtsSlotBytes, 0);
+  EXPECT_FALSE(decode_cts_header(zeros.data(), 0).ok());
+}
+
+TEST(PluginWire, SizeRecordRoundTrip) {
+  uint8_t b[kRecordBytes];
+  encode_record(SizeRecord{(1ull << 33) + 5, 4, 77}, b);
+  auto r = decode_record(b);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->size, (1ull << 33) + 5);
+  EXPECT_EQ(r->shards, 4u);
+  EXPECT_EQ(r->request_number, 77u);
+  uint8_t zeros[kRecordBytes] = {};
+  EXPECT_FALSE(decode_record(zeros).ok());
+}
+
+TEST(PluginWire, ImmediateValuesAreDistinctAndBounded) {
+  std::set<uint32_t> seen;
+  for (uint32_t comm = 1; comm <= kMaxCommId; ++comm)
+    for (uint64_t req = 0; req < kMaxRequests; ++req)
+      for (bool rec : {false, true}) EXPECT_TRUE(seen.insert(imm_value(rec, comm, req)).second);
+  // Request numbers reuse their slot's value: the set never grows past 64 values per comm.
+  EXPECT_EQ(imm_value(false, 3, 5), imm_value(false, 3, 5 + kMaxRequests));
+  EXPECT_EQ(seen.size(), size_t{kMaxCommId} * kMaxRequests * 2);
+  // All of them fit the engine's counter table (65536 entries, refuses past 7/8 full).
+  EXPECT_LE(seen.size(), size_t{65536} * 7 / 8);
+}
+
+}  // namespace
