@@ -103,7 +103,9 @@ TEST_F(PluginTest, PropertiesAndLogging) {
   EXPECT_EQ(p.max_multi_request_size, 1);
   if (p.pci_path) {
     EXPECT_EQ(std::strncmp(p.pci_path, "/sys/", 5), 0) << p.pci_path;
-  } else {
+  } else if (const char* b = std::getenv("PONTE_BACKEND"); !b || std::string(b) != "verbs") {
+    // libfabric's loopback domain has neither a PCI device nor a link speed: the default. (rxe in
+    // the SoftRoCE guest has no PCI device but reports its netdev's speed.)
     EXPECT_EQ(p.speed, 100000) << "a NIC without a PCI device (loopback) reports the default";
   }
   // NCCL_DEBUG=INFO shows ponte's lines: they went through NCCL's logger.
