@@ -24,6 +24,7 @@ using Clock = std::chrono::steady_clock;
 static constexpr uint32_t kMaxPeers = 4096;
 static constexpr uint8_t kHelloVersion = 1;
 static constexpr uint8_t kHelloType = 1;
+static constexpr uint8_t kByeType = 2;  // u8 version, u8 type: the peer's engine is shutting down
 // HELLO: u8 version, u8 type, u16 0, u32 id we gave the peer, u32 epoch | u16 address length,
 // address, u8 NIC count, NIC count x (u16 length, connect blob).
 static constexpr size_t kHelloHeaderBytes = 12;
@@ -146,9 +147,13 @@ void NicGroup::stop() {
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
+  // Tell live peers this is an orderly shutdown, not a crash (best effort, never blocks).
+  const uint8_t bye[2] = {kHelloVersion, kByeType};
   for (auto& p : peers_) {
-    p.sock[0].close();
-    p.sock[1].close();
+    for (auto& sock : p.sock) {
+      if (sock.open() && p.state.load(std::memory_order_relaxed) == kReady) (void)sock.send_message(bye);
+      sock.close();
+    }
   }
   pending_.clear();
   for (size_t i = 0; i < recv_mrs_.size(); i++) nics_[i]->deregister(recv_mrs_[i].nic_mrs[i]);
@@ -385,7 +390,8 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
   Peer& p = peers_[id];
   if (p.state.load(std::memory_order_relaxed) == kDead) return;
   p.state.store(kDead, std::memory_order_release);
-  PONTE_LOG_WARN("group %d: peer %u is dead: %s", index_, id, why);
+  if (p.orderly_close) PONTE_LOG_INFO("group %d: peer %u closed: %s", index_, id, why);
+  else PONTE_LOG_WARN("group %d: peer %u is dead: %s", index_, id, why);
   for (auto& s : p.sock) {
     if (s.open()) epoll_del(s.fd());
     s.close();
@@ -509,6 +515,10 @@ void NicGroup::service_peer(PeerId id, int which) {
     auto got = p.sock[which].recv_message(&msg_);
     if (!got.ok()) return peer_died(id, Code::kPeerDead, got.status().message());
     if (!*got) return;
+    if (msg_.size() >= 2 && msg_[0] == kHelloVersion && msg_[1] == kByeType) {
+      p.orderly_close = true;
+      return peer_died(id, Code::kPeerDead, "the peer shut its engine down");
+    }
     Status st = handle_hello(id, which, msg_);
     if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
   }

@@ -93,6 +93,7 @@ class NicGroup {
     bool backend_connected = false;
     bool hello_received = false;
     bool hello_sent = false;
+    bool orderly_close = false;  // the peer said goodbye before closing
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen

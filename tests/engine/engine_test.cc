@@ -155,7 +155,7 @@ int run_peer(int argc, char** argv) {
     std::istringstream in(cmd);
     std::string op;
     in >> op;
-    if (op == "exit") return 0;
+    if (op == "exit") return e.deregister(*mr).ok() ? 0 : 5;
     if (op == "expect" || op == "expectw") {
       uint32_t v = 0, n = 0;
       size_t len = 0;
