@@ -11,7 +11,7 @@
 
 #include "core/engine.h"
 #include "core/group_address.h"
-#include "tests/engine/peer_process.h"
+#include "tests/common/peer_process.h"
 
 using namespace ponte;
 using namespace ponte::test;

@@ -22,6 +22,8 @@
 
 #include "plugin/nccl_net_abi.h"
 
+#include "tests/common/peer_process.h"
+
 namespace ponte::plugin_test {
 
 using namespace ponte::nccl_abi;
@@ -259,114 +261,8 @@ class Buffer {
 
 // ---- a second process -------------------------------------------------------------------------
 
-// Length-prefixed messages over a socket, with deadlines.
-class Channel {
- public:
-  explicit Channel(int fd = -1) : fd_(fd) {}
-  int fd() const { return fd_; }
-  bool send(const void* p, size_t n) const {
-    uint32_t len = static_cast<uint32_t>(n);
-    return write_all(&len, 4) && write_all(p, n);
-  }
-  bool send_str(const std::string& s) const { return send(s.data(), s.size()); }
-  bool recv(std::vector<uint8_t>* out, int timeout_ms = 60000) const {
-    uint32_t len = 0;
-    if (!read_all(&len, 4, timeout_ms)) return false;
-    out->resize(len);
-    return read_all(out->data(), len, timeout_ms);
-  }
-  bool recv_str(std::string* s, int timeout_ms = 60000) const {
-    std::vector<uint8_t> v;
-    if (!recv(&v, timeout_ms)) return false;
-    s->assign(v.begin(), v.end());
-    return true;
-  }
-
- private:
-  bool write_all(const void* p, size_t n) const {
-    auto* c = static_cast<const char*>(p);
-    while (n) {
-      const ssize_t w = ::write(fd_, c, n);
-      if (w <= 0) return false;
-      c += w;
-      n -= static_cast<size_t>(w);
-    }
-    return true;
-  }
-  bool read_all(void* p, size_t n, int timeout_ms) const {
-    auto* c = static_cast<char*>(p);
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (n) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) return false;
-      pollfd pfd{fd_, POLLIN, 0};
-      if (::poll(&pfd, 1, static_cast<int>(left)) <= 0) continue;
-      const ssize_t r = ::read(fd_, c, n);
-      if (r <= 0) return false;
-      c += r;
-      n -= static_cast<size_t>(r);
-    }
-    return true;
-  }
-  int fd_;
-};
-
-// This binary started again as `exe --ponte-peer ROLE ARGS...`, the channel on fd 3, with extra
-// environment variables. fork + exec at once: the parent may run engine threads already.
-class Peer {
- public:
-  Peer(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return;
-    std::vector<std::string> argv_s = {"/proc/self/exe", "--ponte-peer"};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_s = env;
-    std::vector<char*> envp;
-    for (auto& e : env_s) envp.push_back(e.data());
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(sv[1], 3);
-      for (char* e : envp) putenv(e);
-      execv("/proc/self/exe", argv.data());
-      _exit(127);
-    }
-    ::close(sv[1]);
-    ch_ = Channel(sv[0]);
-  }
-  ~Peer() {
-    if (pid_ > 0) {
-      kill();
-      wait_exit(10000);
-    }
-    if (ch_.fd() >= 0) ::close(ch_.fd());
-  }
-  bool started() const { return pid_ > 0; }
-  const Channel& channel() const { return ch_; }
-  void kill() {
-    if (pid_ > 0) ::kill(pid_, SIGKILL);
-  }
-  // Exit status, or -1 on timeout or death by signal.
-  int wait_exit(int timeout_ms) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (pid_ > 0) {
-      int st = 0;
-      if (waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-      }
-      if (Clock::now() > deadline) return -1;
-      usleep(2000);
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  Channel ch_;
-};
+// A second process and the channel to it: tests/common/peer_process.h, shared with tests/engine.
+using Channel = ponte::test::Channel;
+using Peer = ponte::test::PeerProcess;
 
 }  // namespace ponte::plugin_test

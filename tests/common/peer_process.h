@@ -1,5 +1,5 @@
-// PeerProcess: a forked process running its own engine for integration tests, with a socketpair
-// to exchange addresses and verdicts. The child never runs GoogleTest assertions: it reports.
+// PeerProcess: this test binary started again as a second process (its own engine or plugin), with
+// a Channel (socketpair) to exchange addresses and verdicts. Shared by tests/engine and tests/plugin.
 #pragma once
 
 #include <signal.h>
@@ -25,7 +25,11 @@ class Channel {
     uint32_t n = static_cast<uint32_t>(m.size());
     return write_all(&n, 4) && write_all(m.data(), m.size());
   }
-  bool send_str(const std::string& s) const { return send(std::vector<uint8_t>(s.begin(), s.end())); }
+  bool send(const void* p, size_t n) const {
+    uint32_t len = static_cast<uint32_t>(n);
+    return write_all(&len, 4) && write_all(p, n);
+  }
+  bool send_str(const std::string& s) const { return send(s.data(), s.size()); }
   // Empty optional-like: returns false on EOF or timeout.
   bool recv(std::vector<uint8_t>* m, int timeout_ms = 60000) const {
     uint32_t n = 0;
@@ -72,10 +76,10 @@ class Channel {
 
 class PeerProcess {
  public:
-  // Starts this test binary again as a peer: `exe --ponte-peer ARGS...` with the channel on fd 3.
-  // (fork + exec at once: the parent may already run engine threads, and a forked copy of a
-  // threaded libfabric is not safe to use.)
-  explicit PeerProcess(const std::vector<std::string>& args) {
+  // Starts this test binary again as a peer: `exe --ponte-peer ARGS...` with the channel on fd 3 and
+  // extra environment entries ("NAME=value"). fork + exec at once: the parent may already run
+  // engine threads, and a forked copy of a threaded libfabric is not safe to use.
+  explicit PeerProcess(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return;
     std::vector<std::string> argv_s = {"/proc/self/exe", "--ponte-peer"};
@@ -83,9 +87,13 @@ class PeerProcess {
     std::vector<char*> argv;
     for (auto& a : argv_s) argv.push_back(a.data());
     argv.push_back(nullptr);
+    std::vector<std::string> env_s = env;
+    std::vector<char*> envp;
+    for (auto& e : env_s) envp.push_back(e.data());
     pid_ = fork();
     if (pid_ == 0) {
       dup2(sv[1], 3);  // dup2 clears close-on-exec on fd 3
+      for (char* e : envp) putenv(e);
       execv("/proc/self/exe", argv.data());
       _exit(127);
     }
@@ -101,6 +109,7 @@ class PeerProcess {
   }
   bool started() const { return pid_ > 0; }
   Channel& channel() { return ch_; }
+  const Channel& channel() const { return ch_; }
   void kill() {
     if (pid_ > 0) ::kill(pid_, SIGKILL);
   }
