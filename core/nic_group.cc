@@ -176,6 +176,13 @@ void NicGroup::epoll_del(int fd) { epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullp
 // ---------------------------------------------------------------- submission
 
 Status NicGroup::submit(const Op& op) {
+  // From the worker itself (a completion callback chaining the next op): start it in place, no
+  // queue round trip. Slot-less ops (expect, call, connect) always can; others need a free slot.
+  if (on_worker() && !stop_.load(std::memory_order_relaxed) &&
+      (op.type == Op::kExpect || op.type == Op::kCall || op.type == Op::kConnect || !free_slots_.empty())) {
+    start_op(op);
+    return Status::Ok();
+  }
   if (!queue_.push(op)) return Status(Code::kAgain, "group %d: submission queue full (%zu)", index_, queue_.capacity());
   if (sleeping_.load(std::memory_order_acquire) && sleeping_.exchange(false, std::memory_order_acq_rel)) {
     uint64_t one = 1;  // once per sleep, not per submission
