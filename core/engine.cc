@@ -142,15 +142,7 @@ Result<PeerId> Engine::connect(int group, std::span<const uint8_t> peer_address)
   Op op;
   op.type = Op::kConnect;
   op.peer = id;
-  op.len = peer_address.size();
-  op.call_arg = malloc(peer_address.size());
-  if (!op.call_arg) return Status(Code::kResource, "connect: out of memory");
-  memcpy(op.call_arg, peer_address.data(), peer_address.size());
-  Status st = g->submit(op);
-  if (!st.ok()) {
-    free(op.call_arg);
-    return st;
-  }
+  PONTE_RETURN_IF_ERROR(g->submit(op));  // refused: the peer fails its handshake deadline
   return id;
 }
 

@@ -140,10 +140,8 @@ void NicGroup::stop() {
   while (Op* op = queue_.front()) {
     Notify d = op->done;
     Op::Type type = op->type;
-    void* arg = op->call_arg;
     queue_.pop();
-    if (type == Op::kConnect) free(arg);
-    else d(cancelled);
+    if (type != Op::kConnect) d(cancelled);
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
@@ -179,7 +177,7 @@ Status NicGroup::submit(const Op& op) {
   // From the worker itself (a completion callback chaining the next op): start it in place, no
   // queue round trip. Slot-less ops (expect, call, connect) always can; others need a free slot.
   if (on_worker() && !stop_.load(std::memory_order_relaxed) &&
-      (op.type == Op::kExpect || op.type == Op::kCall || op.type == Op::kConnect || !free_slots_.empty())) {
+      (!op.needs_slot() || !free_slots_.empty())) {
     start_op(op);
     return Status::Ok();
   }
@@ -234,11 +232,11 @@ Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
     next_peer_.store(kMaxPeers, std::memory_order_relaxed);
     return Status(Code::kResource, "group %d: more than %u peers", index_, kMaxPeers);
   }
+  // Written before the peer is published (the state store below, then the kConnect op through
+  // the queue): the worker sees all of it and no thread writes it again concurrently.
   Peer& p = peers_[id];
-  int n = std::min<int>(static_cast<int>(nics_.size()), static_cast<int>(addr.nic_addrs.size()));
-  p.nics.store(n, std::memory_order_relaxed);
-  uint64_t remote_max = addr.max_msg ? addr.max_msg : kMaxShardBytes;
-  p.max_shard.store(std::min<uint64_t>(max_msg_, remote_max), std::memory_order_relaxed);
+  learn_address(p, addr);
+  p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
   p.state.store(kConnecting, std::memory_order_release);
   return id;
 }
@@ -319,8 +317,8 @@ Status NicGroup::send_hello(PeerId id, int which) {
   return Status::Ok();
 }
 
-void NicGroup::learn_address(Peer& p, GroupAddress addr) {
-  p.addr = std::move(addr);
+void NicGroup::learn_address(Peer& p, const GroupAddress& addr) {
+  p.addr = addr;
   p.addr_known = true;
   uint64_t remote_max = p.addr.max_msg ? p.addr.max_msg : kMaxShardBytes;
   p.max_shard.store(std::min<uint64_t>(max_msg_, remote_max), std::memory_order_release);
@@ -344,7 +342,7 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   if (!addr.ok()) return addr.status();
   if (addr->backend != backend_)
     return Status(Code::kInvalidArgument, "peer runs the %s backend, this group %s", backend_name(addr->backend), backend_name(backend_));
-  if (!p.addr_known) learn_address(p, std::move(addr.value()));
+  if (!p.addr_known) learn_address(p, *addr);
   int n = p.nics.load(std::memory_order_relaxed);
   uint8_t nblobs = r.u8();
   if (!r.ok() || nblobs < n) return Status(Code::kInvalidArgument, "handshake: %u connect blobs for %d NICs", nblobs, n);
@@ -615,7 +613,7 @@ bool NicGroup::drain_queue() {
   for (int n = 0; n < 256; n++) {
     Op* op = queue_.front();
     if (!op) break;
-    if (op->type != Op::kExpect && op->type != Op::kCall && op->type != Op::kConnect && free_slots_.empty())
+    if (op->needs_slot() && free_slots_.empty())
       break;  // back-pressure: leave it queued until a slot frees
     start_op(*op);  // reads the entry in place; it stays ours until pop()
     queue_.pop();
@@ -642,13 +640,7 @@ void NicGroup::start_op(const Op& op) {
       return;
     }
     case Op::kConnect: {
-      Peer& p = peers_[op.peer];
-      auto addr = GroupAddress::decode(std::span<const uint8_t>(
-          reinterpret_cast<const uint8_t*>(op.call_arg), op.len));
-      free(op.call_arg);
-      if (!addr.ok()) return peer_died(op.peer, Code::kInvalidArgument, addr.status().message());
-      p.addr = std::move(addr.value());
-      p.addr_known = true;
+      Peer& p = peers_[op.peer];  // new_outbound_peer recorded its address
       p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
       ControlEndpoint ep;
       ep.family = p.addr.ip_family;
@@ -865,7 +857,7 @@ void NicGroup::housekeeping(Clock::time_point now) {
   uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n; i++) {
     Peer& p = peers_[i];
-    if (p.state.load(std::memory_order_relaxed) == kConnecting && p.addr_known && now > p.handshake_deadline)
+    if (p.state.load(std::memory_order_acquire) == kConnecting && p.addr_known && now > p.handshake_deadline)
       peer_died(i, Code::kTimeout, "handshake did not complete within PONTE_TIMEOUT_MS");
   }
 }

@@ -41,6 +41,8 @@ struct Op {
   void (*call)(void* arg) = nullptr;  // kCall: runs on the worker
   void* call_arg = nullptr;
   RemoteRegion remote;
+  // Operations that occupy an in-flight slot (the others run to completion when started).
+  bool needs_slot() const { return type != kExpect && type != kCall && type != kConnect; }
 };
 
 class NicGroup {
@@ -138,7 +140,7 @@ class NicGroup {
   Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
   Status send_hello(PeerId p, int which);
   void start_reconnect(PeerId p, const char* why);
-  void learn_address(Peer& p, GroupAddress addr);
+  void learn_address(Peer& p, const GroupAddress& addr);
   Status attach_backend(PeerId p);
   void peer_died(PeerId p, Code code, const char* why);
   void accept_new();
