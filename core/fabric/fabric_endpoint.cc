@@ -174,14 +174,28 @@ Status FabricNic::check_length(size_t len) const {
   return Status(Code::kInvalidArgument, "unknown or removed peer %u on NIC %s", peer, \
                 info_.name.c_str())
 
+// The common start of every transmit: the length check and a context slot for the completion.
+OpContext* FabricNic::begin_tx(size_t len, NicPeer peer, uint64_t ctx, Status* st) {
+  if (len > info_.max_msg_size) [[unlikely]] {
+    *st = check_length(len);
+    return nullptr;
+  }
+  OpContext* op = ops_.take_tx();
+  if (op == nullptr) [[unlikely]] {
+    *st = again_status();
+    return nullptr;
+  }
+  op->ctx = ctx;
+  op->peer = peer;
+  return op;
+}
+
 Status FabricNic::post_write(const WriteWr& wr) {
   PONTE_FABRIC_PEER_OR_RETURN(dest, wr.peer);
-  if (wr.len > info_.max_msg_size) [[unlikely]]
-    return check_length(wr.len);
-  OpContext* op = ops_.take_tx();
-  if (op == nullptr) return again_status();
-  op->ctx = wr.ctx;
-  op->peer = wr.peer;
+  Status st;
+  OpContext* op = begin_tx(wr.len, wr.peer, wr.ctx, &st);
+  if (op == nullptr) [[unlikely]]
+    return st;
   ssize_t rc =
       wr.has_imm ? fi_writedata(ep_, wr.local, wr.len, wr.desc, wr.imm, dest, wr.remote_addr,
                                 wr.rkey, &op->fi)
@@ -194,12 +208,10 @@ Status FabricNic::post_write(const WriteWr& wr) {
 Status FabricNic::post_read(NicPeer peer, void* local, size_t len, void* desc, uint64_t remote_addr,
                             uint64_t rkey, uint64_t ctx) {
   PONTE_FABRIC_PEER_OR_RETURN(src, peer);
-  if (len > info_.max_msg_size) [[unlikely]]
-    return check_length(len);
-  OpContext* op = ops_.take_tx();
-  if (op == nullptr) return again_status();
-  op->ctx = ctx;
-  op->peer = peer;
+  Status st;
+  OpContext* op = begin_tx(len, peer, ctx, &st);
+  if (op == nullptr) [[unlikely]]
+    return st;
   ssize_t rc = fi_read(ep_, local, len, desc, src, remote_addr, rkey, &op->fi);
   if (rc == 0) [[likely]]
     return Status::Ok();
@@ -209,12 +221,10 @@ Status FabricNic::post_read(NicPeer peer, void* local, size_t len, void* desc, u
 Status FabricNic::post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
                             uint64_t ctx) {
   PONTE_FABRIC_PEER_OR_RETURN(dest, peer);
-  if (len > info_.max_msg_size) [[unlikely]]
-    return check_length(len);
-  OpContext* op = ops_.take_tx();
-  if (op == nullptr) return again_status();
-  op->ctx = ctx;
-  op->peer = peer;
+  Status st;
+  OpContext* op = begin_tx(len, peer, ctx, &st);
+  if (op == nullptr) [[unlikely]]
+    return st;
   ssize_t rc = fi_senddata(ep_, buf, len, desc, imm, dest, &op->fi);
   if (rc == 0) [[likely]]
     return Status::Ok();

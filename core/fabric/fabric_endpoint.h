@@ -60,6 +60,7 @@ class FabricNic final : public Nic {
   FabricNic(const FabricLibrary& lib, const NicInfo& nic_info) : lib_(lib), info_(nic_info) {}
   Status init(const struct fi_info& info, uint32_t max_inflight);
   Status post_failed(ssize_t rc, const char* what, OpContext* op);
+  OpContext* begin_tx(size_t len, NicPeer peer, uint64_t ctx, Status* st);
   Status check_length(size_t len) const;
   int read_error(Completion* out);
   bool classify(const struct fi_cq_data_entry& entry, Completion* out);
