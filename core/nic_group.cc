@@ -354,6 +354,10 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   bool new_round = p.remote_epoch != 0 && epoch > p.remote_epoch;
   if (epoch > p.remote_epoch) p.remote_epoch = epoch;
   if (new_round) {
+    // Both ends start the round with fresh backend peers (on verbs: new QPs), whether or not this
+    // side has noticed the failure yet: an RC QP cannot be re-pointed at the peer's new one.
+    reset_backend_peer(id);
+    PONTE_RETURN_IF_ERROR(attach_backend(id));
     p.backend_connected = false;
     if (p.state.load(std::memory_order_relaxed) == kReady) p.state.store(kConnecting, std::memory_order_release);
     p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
@@ -376,6 +380,13 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   return Status::Ok();
 }
 
+void NicGroup::reset_backend_peer(PeerId id) {
+  Peer& p = peers_[id];
+  if (!p.nics_added) return;
+  for (int k = 0; k < p.nics.load(std::memory_order_relaxed); k++) nics_[k]->remove_peer(p.nic_peer[k]);
+  p.nics_added = false;
+}
+
 void NicGroup::start_reconnect(PeerId id, const char* why) {
   Peer& p = peers_[id];
   if (p.state.load(std::memory_order_relaxed) != kReady) return;
@@ -384,6 +395,7 @@ void NicGroup::start_reconnect(PeerId id, const char* why) {
   PONTE_LOG_WARN("group %d: peer %u: %s; rebuilding the connection", index_, id, why);
   p.state.store(kConnecting, std::memory_order_release);
   p.epoch++;
+  reset_backend_peer(id);
   p.backend_connected = false;
   p.hello_received = false;
   p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
@@ -401,10 +413,7 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
     if (s.open()) epoll_del(s.fd());
     s.close();
   }
-  if (p.nics_added) {
-    for (int k = 0; k < p.nics.load(std::memory_order_relaxed); k++) nics_[k]->remove_peer(p.nic_peer[k]);
-    p.nics_added = false;
-  }
+  reset_backend_peer(id);
   // Every operation that depends on the peer ends through its error path.
   for (uint32_t s = active_head_; s != kNoSlot;) {
     uint32_t next = slots_[s].next;

@@ -140,6 +140,7 @@ class NicGroup {
   Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
   Status send_hello(PeerId p, int which);
   void start_reconnect(PeerId p, const char* why);
+  void reset_backend_peer(PeerId p);  // drops the peer from every NIC (re-added by attach_backend)
   void learn_address(Peer& p, const GroupAddress& addr);
   Status attach_backend(PeerId p);
   void peer_died(PeerId p, Code code, const char* why);
