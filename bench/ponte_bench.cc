@@ -384,6 +384,7 @@ struct PingPong {
   std::atomic<int> failed{0};
   char error[160] = {};
   uint32_t timeout_ms = 0;
+  uint32_t imms = 1;         // immediates per write of this size: a striped write carries one per shard
 
   void fail(const char* what, const Status& st) {
     if (failed.fetch_add(1) == 0)
@@ -391,7 +392,7 @@ struct PingPong {
     finished.store(true, std::memory_order_release);
   }
   Status arm() {
-    return engine->expect_imm(0, wait_value, 1, peer, Notify{&PingPong::on_imm, this}, timeout_ms);
+    return engine->expect_imm(0, wait_value, imms, peer, Notify{&PingPong::on_imm, this}, timeout_ms);
   }
   Status shoot() { return engine->write_imm(0, peer, src, *dst, 0, send_value, writes.notify()); }
   static void on_imm(void* arg, const Status& st) {
@@ -499,6 +500,7 @@ void run_target(Channel& ch, const Options& o) {
       pp.send_value = kImmPong | c.imm;
       pp.total = c.count;
       pp.timeout_ms = timeout_ms;
+      pp.imms = b.engine->imms_per_write(0, b.peer, c.size);
       check(pp.arm(), "expect_imm");
       ch.send_reply('R');
       wait_until([&] { return pp.finished.load(std::memory_order_acquire); }, "the pings");
@@ -787,6 +789,7 @@ class Client {
     pp.warmup = warm;
     pp.client = true;
     pp.timeout_ms = static_cast<uint32_t>(g_timeout_s) * 1000;
+    pp.imms = ipw(r.size);
     if (warm == 0) pp.t_start.store(now_ns());
     check(pp.arm(), "expect_imm");
     check(pp.shoot(), "write_imm");
@@ -795,6 +798,9 @@ class Client {
     wait_until([&] { return pp.writes.done.load(std::memory_order_acquire) >= total; }, "the pings' completions");
     if (pp.writes.failed.load()) die("latency test: %s", pp.writes.error());
     wait_done("the target's end of the latency test");
+    // One pong per ping: a surplus means the two ends disagree on immediates per write.
+    if (uint32_t extra = b_.engine->imm_arrived(0, pp.wait_value))
+      die("latency test: %u immediates arrived beyond the %" PRIu64 " pongs", extra, total);
     double dt = static_cast<double>(pp.t_end.load() - pp.t_start.load()) * 1e-9;
     r.lat_us = dt / static_cast<double>(r.iters) / 2 * 1e6;
     r.mops = static_cast<double>(r.iters) / dt / 1e6;
