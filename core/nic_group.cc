@@ -32,6 +32,7 @@ static constexpr uint64_t kWakeTag = ~uint64_t{0};
 static constexpr uint64_t kListenTag = ~uint64_t{0} - 1;
 static constexpr uint64_t kPendingTag = ~uint64_t{0} - 2;
 static constexpr size_t kImmTableSize = 1 << 16;
+static constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 
 NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
                    BackendKind backend, uint64_t engine_nonce)
@@ -111,6 +112,7 @@ Status NicGroup::start(const std::vector<int>& cores) {
       if (rc != 0) PONTE_LOG_WARN("group %d: pinning the worker failed: %s", index_, strerror(rc));
     }
     run();
+    linger();
   });
   return Status::Ok();
 }
@@ -174,10 +176,11 @@ void NicGroup::epoll_del(int fd) { epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullp
 // ---------------------------------------------------------------- submission
 
 Status NicGroup::submit(const Op& op) {
+  if (stop_.load(std::memory_order_acquire))
+    return Status(Code::kCancelled, "group %d: the engine is shutting down", index_);
   // From the worker itself (a completion callback chaining the next op): start it in place, no
   // queue round trip. Slot-less ops (expect, call, connect) always can; others need a free slot.
-  if (on_worker() && !stop_.load(std::memory_order_relaxed) &&
-      (!op.needs_slot() || !free_slots_.empty())) {
+  if (on_worker() && (!op.needs_slot() || !free_slots_.empty())) {
     start_op(op);
     return Status::Ok();
   }
@@ -880,6 +883,52 @@ void NicGroup::sleep_idle(uint32_t us) {
     (void)n;  // whatever woke us is serviced by the next housekeeping pass
   }
   sleeping_.store(false, std::memory_order_relaxed);
+}
+
+// Orderly shutdown, on the worker once stop_ is set: what this group already posted finishes,
+// counters still waiting end with kCancelled, ready peers hear goodbye, and the NICs keep
+// progressing until those peers have closed their side. Then nothing is normally mid-flight
+// toward this group when its endpoints close (libfabric 1.17's rxm crashes closing an endpoint
+// that holds a half-received write). Bounded: kLingerMs (or PONTE_TIMEOUT_MS if shorter).
+void NicGroup::linger() {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
+  Completion comps[32];
+  auto progress = [&] {
+    for (size_t k = 0; k < nics_.size(); k++) {
+      int n = nics_[k]->poll(comps, 32);
+      for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps[c]);
+    }
+  };
+  Status cancelled(Code::kCancelled, "the engine was shut down");
+  imm_.fail_all(cancelled);
+  // What was submitted before the shutdown runs to its end; submit() refuses anything newer
+  // (callbacks included) with kCancelled.
+  for (auto now = Clock::now(); (queue_.front() != nullptr || active_count_ > 0) && now < deadline;
+       now = Clock::now()) {
+    drain_queue();
+    if (run_head_ != kNoSlot) post_runnable();
+    progress();
+    poll_control(now);  // handshakes still under way, peers that close meanwhile
+  }
+  while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
+  const uint8_t bye[2] = {kHelloVersion, kByeType};
+  const uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
+  for (PeerId i = 0; i < n; i++) {
+    Peer& p = peers_[i];
+    if (p.state.load(std::memory_order_relaxed) != kReady) continue;
+    p.orderly_close = true;
+    for (auto& sock : p.sock)
+      if (sock.open()) (void)sock.send_message(bye);
+  }
+  for (;;) {
+    bool waiting = false;
+    for (PeerId i = 0; i < n && !waiting; i++)
+      waiting = peers_[i].orderly_close && peers_[i].state.load(std::memory_order_relaxed) == kReady;
+    auto now = Clock::now();
+    if (!waiting || now >= deadline) break;
+    progress();
+    poll_control(now);  // the peer's goodbye or its closed socket ends its wait
+  }
 }
 
 void NicGroup::run() {

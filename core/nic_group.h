@@ -95,7 +95,7 @@ class NicGroup {
     bool backend_connected = false;
     bool hello_received = false;
     bool hello_sent = false;
-    bool orderly_close = false;  // the peer said goodbye before closing
+    bool orderly_close = false;  // the peer said goodbye before closing, or we did
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen
@@ -126,6 +126,7 @@ class NicGroup {
   };
 
   void run();
+  void linger();  // orderly shutdown on the worker, after run() (bounded by kLingerMs)
   bool drain_queue();
   void start_op(const Op& op);
   bool post_runnable();

@@ -90,10 +90,8 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight) {
 
 FabricNic::~FabricNic() {
   if (ep_ != nullptr) close_fid(lib_, &ep_->fid, "endpoint");
-  if (mrs_.live() > 0) {
-    PONTE_LOG_WARN("fabric: NIC %s closed with %zu registrations still open", info_.name.c_str(),
-                   mrs_.live());
-  }
+  if (size_t n = mrs_.close_all())
+    PONTE_LOG_WARN("fabric: NIC %s: closed %zu registrations still open at shutdown", info_.name.c_str(), n);
 }
 
 void FabricNic::warn_limited(const char* fmt, ...) {

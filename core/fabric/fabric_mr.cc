@@ -97,16 +97,32 @@ Result<NicMr> FabricMrTable::register_memory(struct fid_domain* domain, struct f
   out.desc = fi_mr_desc(mr);
   out.rkey = key;
   out.remote_base = virt_addr() ? reinterpret_cast<uint64_t>(mem.addr) : 0;
-  ++live_;
+  open_.push_back(mr);
   return out;
 }
 
 void FabricMrTable::deregister(const NicMr& nic_mr) {
   auto* mr = static_cast<struct fid_mr*>(nic_mr.handle);
   if (mr == nullptr) return;
-  int rc = fi_close(&mr->fid);
-  if (rc != 0) PONTE_LOG_WARN("fabric: deregistering memory failed: %s", lib_->error_text(rc));
-  if (live_ > 0) --live_;
+  for (size_t i = 0; i < open_.size(); i++) {
+    if (open_[i] != mr) continue;
+    open_[i] = open_.back();
+    open_.pop_back();
+    int rc = fi_close(&mr->fid);
+    if (rc != 0) PONTE_LOG_WARN("fabric: deregistering memory failed: %s", lib_->error_text(rc));
+    return;
+  }
+  PONTE_LOG_WARN("fabric: deregistering memory that is not registered here (ignored)");
+}
+
+size_t FabricMrTable::close_all() {
+  const size_t n = open_.size();
+  for (struct fid_mr* mr : open_) {
+    int rc = fi_close(&mr->fid);
+    if (rc != 0) PONTE_LOG_WARN("fabric: closing a registration failed: %s", lib_->error_text(rc));
+  }
+  open_.clear();
+  return n;
 }
 
 }  // namespace ponte::fabric

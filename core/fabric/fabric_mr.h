@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/fabric/fabric_loader.h"
 #include "core/nic.h"
@@ -25,7 +26,9 @@ class FabricMrTable {
                                 const MemoryDesc& mem);
   void deregister(const NicMr& mr);
 
-  size_t live() const { return live_; }
+  size_t live() const { return open_.size(); }
+  // Closes what is still registered (the endpoint is closed, the domain goes next); returns how many.
+  size_t close_all();
   bool virt_addr() const { return (mr_mode_ & FI_MR_VIRT_ADDR) != 0; }
   bool device_memory() const { return device_memory_; }
   bool dmabuf() const { return dmabuf_; }
@@ -39,7 +42,7 @@ class FabricMrTable {
   uint64_t key_counter_ = 0;   // last requested key handed out (ponte-chosen keys only)
   bool device_memory_ = false;
   bool dmabuf_ = false;
-  size_t live_ = 0;
+  std::vector<struct fid_mr*> open_;  // registration is not a hot path: a plain list
 };
 
 }  // namespace ponte::fabric

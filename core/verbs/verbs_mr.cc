@@ -1,6 +1,8 @@
 // Memory registration.
 #include "core/verbs/verbs_mr.h"
 
+#include "core/log.h"
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,6 +61,7 @@ Result<NicMr> VerbsMemory::register_memory(const MemoryDesc& mem) {
                     mem.cuda_device, mem.addr, mem.len, strerror(errno));
     }
   }
+  open_.push_back(mr);
   NicMr out;
   out.handle = mr;
   out.desc = mr;
@@ -68,7 +71,22 @@ Result<NicMr> VerbsMemory::register_memory(const MemoryDesc& mem) {
 }
 
 void VerbsMemory::deregister(const NicMr& mr) {
-  if (mr.handle != nullptr) api_.dereg_mr(static_cast<ibv_mr*>(mr.handle));
+  auto* m = static_cast<ibv_mr*>(mr.handle);
+  if (m == nullptr) return;
+  for (size_t i = 0; i < open_.size(); i++) {
+    if (open_[i] != m) continue;
+    open_[i] = open_.back();
+    open_.pop_back();
+    api_.dereg_mr(m);
+    return;
+  }
+  PONTE_LOG_WARN("verbs: deregistering memory that is not registered here (ignored)");
+}
+
+VerbsMemory::~VerbsMemory() {
+  if (!open_.empty())
+    PONTE_LOG_WARN("verbs: closing %zu registrations still open at shutdown", open_.size());
+  for (ibv_mr* m : open_) api_.dereg_mr(m);
 }
 
 bool probe_dmabuf(const VerbsApi& api, ibv_pd* pd) {

@@ -498,6 +498,26 @@ TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
   EXPECT_EQ(peers_[0]->cmd("check 0 4096 8 0"), "ok");
 }
 
+// Destroying the engine is an orderly shutdown: writes already posted finish (their callbacks
+// report success, before the destructor returns) and their bytes land; nothing is cancelled
+// while it is on the wire.
+TEST_P(EngineTest, ShutdownLetsPostedWritesFinish) {
+  start();
+  constexpr int kWrites = 16;
+  constexpr size_t kLen = 256 << 10;
+  fill(src_, kWrites * kLen, 21);
+  Counter writes;
+  for (int k = 0; k < kWrites; k++) {
+    ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, k * kLen, kLen}, peers_[0]->region(), k * kLen, 77,
+                                writes.notify())
+                    .ok());
+  }
+  eng_.reset();  // the registration goes with it
+  EXPECT_EQ(writes.ok + writes.failed, kWrites) << "a callback did not run before the engine was gone";
+  EXPECT_EQ(writes.ok, kWrites) << writes.failed << " posted writes were cancelled instead of finishing";
+  EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(kWrites * kLen) + " 21 0"), "ok");
+}
+
 TEST_P(EngineTest, BadInputIsRefusedClearly) {
   start();
   Flag f;
