@@ -69,6 +69,10 @@ struct EngineOptions {
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(EngineOptions opts = {});
+  // Orderly shutdown: operations submitted before it run to their end (at most 250 ms, or
+  // PONTE_TIMEOUT_MS if shorter; the rest end with kCancelled), counters still waiting end with
+  // kCancelled, peers are told (they see their ops toward us end kPeerDead), registrations still
+  // open are closed. Every callback has run when it returns. Submissions racing it get kCancelled.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
