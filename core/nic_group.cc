@@ -352,21 +352,28 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   PONTE_RETURN_IF_ERROR(attach_backend(id));
   p.remote_tag = their_id_for_us;
   p.hello_received = true;
-  // A new round from the peer (it rebuilt a failed connection): connect again and answer with our
-  // current blobs, which the backend rebuilds if our side failed too.
-  bool new_round = p.remote_epoch != 0 && epoch > p.remote_epoch;
+  // Rounds: both ends count them alike. A side that sees its connection fail proposes the next
+  // round (start_reconnect); a hello of a round this side has not started starts it here too,
+  // with a fresh backend peer (on verbs: new QPs, an RC QP cannot be re-pointed), and answers.
+  // Two ends proposing the same round at once each reset once and connect to the other's blobs;
+  // a hello of an older round than ours carries blobs that are already gone and is skipped.
+  const bool first = p.remote_epoch == 0;
+  const bool new_round = !first && epoch > p.remote_epoch;
   if (epoch > p.remote_epoch) p.remote_epoch = epoch;
-  if (new_round) {
-    // Both ends start the round with fresh backend peers (on verbs: new QPs), whether or not this
-    // side has noticed the failure yet: an RC QP cannot be re-pointed at the peer's new one.
+  bool answered = false;
+  if (new_round && epoch > p.epoch) {
+    p.epoch = epoch;
     reset_backend_peer(id);
     PONTE_RETURN_IF_ERROR(attach_backend(id));
     p.backend_connected = false;
     if (p.state.load(std::memory_order_relaxed) == kReady) p.state.store(kConnecting, std::memory_order_release);
     p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
     PONTE_LOG_INFO("group %d: peer %u rebuilds its connection (round %u)", index_, id, epoch);
+    PONTE_RETURN_IF_ERROR(send_hello(id, which));
+    answered = true;
   }
-  if (!p.sock_hello_sent[which] || new_round) PONTE_RETURN_IF_ERROR(send_hello(id, which));
+  if (!p.sock_hello_sent[which] && !answered) PONTE_RETURN_IF_ERROR(send_hello(id, which));
+  if (!first && epoch < p.epoch) return Status::Ok();  // stale round: ours supersedes it
   if (!p.backend_connected) {
     for (int k = 0; k < nblobs; k++) {
       uint16_t blen = r.u16();
@@ -397,7 +404,7 @@ void NicGroup::start_reconnect(PeerId id, const char* why) {
   if (which < 0) return peer_died(id, Code::kPeerDead, "no control connection left");
   PONTE_LOG_WARN("group %d: peer %u: %s; rebuilding the connection", index_, id, why);
   p.state.store(kConnecting, std::memory_order_release);
-  p.epoch++;
+  p.epoch = std::max(p.epoch, p.remote_epoch) + 1;  // the next round both ends will share
   reset_backend_peer(id);
   p.backend_connected = false;
   p.hello_received = false;

@@ -48,7 +48,7 @@ class Channel {
   bool write_all(const void* p, size_t n) const {
     const char* c = static_cast<const char*>(p);
     while (n) {
-      ssize_t w = ::write(fd_, c, n);
+      ssize_t w = ::send(fd_, c, n, MSG_NOSIGNAL);  // a dead peer is a failed send, not SIGPIPE
       if (w <= 0) return false;
       c += w;
       n -= static_cast<size_t>(w);
