@@ -102,6 +102,7 @@ Status NicGroup::start(const std::vector<int>& cores) {
 
   last_activity_ = Clock::now();
   last_timeout_scan_ = last_activity_;
+  now_ = last_activity_;
   worker_ = std::thread([this, cores] {
     worker_id_.store(std::this_thread::get_id(), std::memory_order_release);
     if (!cores.empty()) {
@@ -642,7 +643,7 @@ bool NicGroup::drain_queue() {
 }
 
 void NicGroup::start_op(const Op& op) {
-  auto now = Clock::now();
+  const auto now = now_;  // the loop's clock (at most 64 passes old): deadlines are in ms
   switch (op.type) {
     case Op::kCall:
       op.call(op.call_arg);
@@ -912,6 +913,7 @@ void NicGroup::linger() {
   // (callbacks included) with kCancelled.
   for (auto now = Clock::now(); (queue_.front() != nullptr || active_count_ > 0) && now < deadline;
        now = Clock::now()) {
+    now_ = now;
     drain_queue();
     if (run_head_ != kNoSlot) post_runnable();
     progress();
@@ -942,6 +944,7 @@ void NicGroup::run() {
   Completion comps[32];
   uint32_t idle_us = 0;
   uint32_t iter = 0;
+  bool worked = false;  // since the clock was last read
   auto last_house = Clock::now();
   while (!stop_.load(std::memory_order_acquire)) {
     bool did = drain_queue();
@@ -951,12 +954,15 @@ void NicGroup::run() {
       for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps[c]);
       did |= n > 0;
     }
-    if (did && (++iter & 63) != 0) {
-      idle_us = 0;
-      continue;
-    }
+    worked |= did;
+    if (did) idle_us = 0;
+    // The clock is read every 64th pass while working and every 8th while spinning idle: a
+    // clock read costs as much as an idle poll. Backing off, every pass reads it (and sleeps).
+    if (idle_us == 0 && (++iter & (did ? 63u : 7u)) != 0) continue;
     auto now = Clock::now();
-    if (did) last_activity_ = now;
+    now_ = now;
+    if (worked) last_activity_ = now;  // the spin window starts at the last work, however brief
+    worked = false;
     // Control sockets and timeouts every 100 us, busy or not: a syscall per pass would cost the
     // spin window its latency. An idle worker sleeps in epoll below and wakes for them anyway.
     if (now - last_house >= std::chrono::microseconds(100)) {

@@ -190,6 +190,7 @@ class NicGroup {
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> worker_id_{};
   std::thread worker_;
+  std::chrono::steady_clock::time_point now_;  // the worker loop's clock, read every few passes
   std::chrono::steady_clock::time_point last_activity_;
   std::chrono::steady_clock::time_point last_timeout_scan_;
   uint64_t dropped_imms_ = 0;
