@@ -68,6 +68,13 @@ Result<Config> Config::from_env() {
   }
   if (const char* v = env("PONTE_FABRIC_PROVIDER")) c.fabric_provider = v;
   if (const char* v = env("PONTE_FABRIC_LIB")) c.fabric_lib = v;
+  if (const char* v = env("PONTE_FABRIC_HMEM")) {
+    std::string s(v);
+    if (s == "auto") c.fabric_hmem = -1;
+    else if (s == "1" || s == "on") c.fabric_hmem = 1;
+    else if (s == "0" || s == "off") c.fabric_hmem = 0;
+    else return Status(Code::kInvalidArgument, "PONTE_FABRIC_HMEM='%s': expected auto|1|0", v);
+  }
   if (const char* v = env("PONTE_VERBS_LIB")) c.verbs_lib = v;
   if (const char* v = env("PONTE_IB_HCA")) c.ib_hca = v;
   if (const char* v = env("PONTE_IB_GID_INDEX")) {

@@ -17,6 +17,7 @@ struct Config {
   BackendChoice backend = BackendChoice::kAuto;  // PONTE_BACKEND=auto|fabric|verbs
   std::string fabric_provider = "efa";           // PONTE_FABRIC_PROVIDER
   std::string fabric_lib;                        // PONTE_FABRIC_LIB: path of libfabric.so to load
+  int fabric_hmem = -1;                          // PONTE_FABRIC_HMEM=auto(-1)|0|1: ask for FI_HMEM
   std::string verbs_lib;                         // PONTE_VERBS_LIB: path of libibverbs.so to load
   std::string ib_hca;                            // PONTE_IB_HCA: NCCL_IB_HCA syntax (^ excl, = exact)
   int ib_gid_index = -1;                         // PONTE_IB_GID_INDEX: -1 picks RoCEv2 IPv4

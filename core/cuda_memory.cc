@@ -76,4 +76,6 @@ Result<CudaDmabuf> cuda_dmabuf_for_range(void* addr, size_t len) {
   return out;
 }
 
+bool cuda_driver_usable() { return driver().get_handle != nullptr; }
+
 }  // namespace ponte

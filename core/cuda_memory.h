@@ -23,4 +23,7 @@ struct CudaDmabuf {
 // Exports [addr, addr+len) of CUDA memory as a dmabuf (cuMemGetHandleForAddressRange).
 Result<CudaDmabuf> cuda_dmabuf_for_range(void* addr, size_t len);
 
+// Whether this host's CUDA driver loads and initializes (there is a GPU to register memory of).
+bool cuda_driver_usable();
+
 }  // namespace ponte

@@ -1,6 +1,8 @@
 // fi_getinfo for ponte's needs, the device list, and open_fabric_backend().
 #include "core/fabric/fabric_backend.h"
 
+#include "core/cuda_memory.h"
+
 #include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
 
@@ -73,8 +75,11 @@ Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
       const FabricLibrary* lib,
       load_fabric_library(fabric_library_candidates(cfg.fabric_lib), !cfg.fabric_lib.empty()));
   const std::string provider = cfg.fabric_provider.empty() ? "efa" : cfg.fabric_provider;
+  // FI_HMEM only where there is device memory to register: it is not free. shm, for one, turns
+  // its CMA copies off for an FI_HMEM endpoint and halves host-memory bandwidth.
+  const bool want_hmem = cfg.fabric_hmem == 1 || (cfg.fabric_hmem == -1 && cuda_driver_usable());
   struct fi_info* list = nullptr;
-  int rc = query(*lib, provider, /*hmem=*/true, &list);
+  int rc = want_hmem ? query(*lib, provider, /*hmem=*/true, &list) : -FI_ENODATA;
   if (rc == -FI_ENODATA) rc = query(*lib, provider, /*hmem=*/false, &list);
   if (rc != 0) {
     return Status(Code::kUnavailable,

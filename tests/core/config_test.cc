@@ -11,7 +11,7 @@ class ConfigTest : public ::testing::Test {
  protected:
   void TearDown() override {
     for (const char* v : {"PONTE_BACKEND", "PONTE_STRIPE_MIN", "PONTE_TIMEOUT_MS", "PONTE_PROGRESS_CORES",
-                          "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS"})
+                          "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS", "PONTE_FABRIC_HMEM"})
       unsetenv(v);
   }
 };
@@ -23,6 +23,7 @@ TEST_F(ConfigTest, Defaults) {
   EXPECT_EQ(c->fabric_provider, "efa");
   EXPECT_LE(c->timeout_ms, 30000u);
   EXPECT_EQ(c->ib_gid_index, -1);
+  EXPECT_EQ(c->fabric_hmem, -1);  // auto
 }
 
 TEST_F(ConfigTest, ParsesValues) {
@@ -32,6 +33,7 @@ TEST_F(ConfigTest, ParsesValues) {
   setenv("PONTE_PROGRESS_CORES", "2,5,7", 1);
   setenv("PONTE_IB_GID_INDEX", "3", 1);
   setenv("PONTE_NICS", "4", 1);
+  setenv("PONTE_FABRIC_HMEM", "0", 1);
   auto c = Config::from_env();
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->backend, BackendChoice::kFabric);
@@ -40,6 +42,9 @@ TEST_F(ConfigTest, ParsesValues) {
   EXPECT_EQ(c->progress_cores, (std::vector<int>{2, 5, 7}));
   EXPECT_EQ(c->ib_gid_index, 3);
   EXPECT_EQ(c->nics_per_group, 4);
+  EXPECT_EQ(c->fabric_hmem, 0);
+  setenv("PONTE_FABRIC_HMEM", "on", 1);
+  EXPECT_EQ(Config::from_env()->fabric_hmem, 1);
 }
 
 TEST_F(ConfigTest, BadValuesNameTheVariable) {
@@ -48,7 +53,8 @@ TEST_F(ConfigTest, BadValuesNameTheVariable) {
     const char* value;
   } cases[] = {{"PONTE_BACKEND", "gpu"},       {"PONTE_STRIPE_MIN", "12q"},     {"PONTE_TIMEOUT_MS", "-1"},
                {"PONTE_TIMEOUT_MS", "0"},       {"PONTE_PROGRESS_CORES", "1,,2"}, {"PONTE_IB_GID_INDEX", "x"},
-               {"PONTE_RECV_SIZE", "0"},        {"PONTE_LOG", "loud"},          {"PONTE_NICS", "99"}};
+               {"PONTE_RECV_SIZE", "0"},        {"PONTE_LOG", "loud"},          {"PONTE_NICS", "99"},
+               {"PONTE_FABRIC_HMEM", "cuda"}};
   for (const auto& cs : cases) {
     setenv(cs.name, cs.value, 1);
     auto c = Config::from_env();
