@@ -256,7 +256,7 @@ static Status check_remote(const RemoteRegion& r, size_t off, size_t len) {
 
 static Status check_peer(const NicGroup* g, PeerId p) {
   if (!g->peer_exists(p)) return Status(Code::kInvalidArgument, "unknown peer %u", p);
-  if (g->peer_dead(p)) return Status(Code::kPeerDead, "peer %u is dead", p);
+  if (g->peer_closed(p)) return Status(Code::kPeerDead, "peer %u is dead or closed", p);
   return Status::Ok();
 }
 

@@ -94,6 +94,9 @@ class Engine {
   Result<PeerId> connect(int group, std::span<const uint8_t> peer_address);
   // Whether the handshake with peer has completed (false when dead).
   bool peer_ready(int group, PeerId peer) const;
+  // Whether nothing more will come from peer: it died, or it closed its engine and the grace
+  // for its last writes (250 ms, or PONTE_TIMEOUT_MS if shorter) has passed. Operations toward
+  // a peer that closed are refused with kPeerDead at once.
   bool peer_dead(int group, PeerId peer) const;
   // Number of NICs that writes to this peer stripe over: min(local NICs, peer NICs); 0 until the
   // peer's address is known.

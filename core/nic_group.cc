@@ -252,6 +252,10 @@ bool NicGroup::peer_ready(PeerId p) const {
   return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kReady;
 }
 bool NicGroup::peer_dead(PeerId p) const {
+  return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kDead &&
+         !peers_[p].draining.load(std::memory_order_acquire);
+}
+bool NicGroup::peer_closed(PeerId p) const {
   return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kDead;
 }
 size_t NicGroup::peer_max_shard(PeerId p) const {
@@ -424,14 +428,34 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
     if (s.open()) epoll_del(s.fd());
     s.close();
   }
-  reset_backend_peer(id);
-  // Every operation that depends on the peer ends through its error path.
+  // Every operation toward the peer ends through its error path.
   for (uint32_t s = active_head_; s != kNoSlot;) {
     uint32_t next = slots_[s].next;
     if (slot_uses_peer(slots_[s], id)) fail_slot(s, code, why);
     s = next;
   }
+  if (p.orderly_close && code == Code::kPeerDead) {
+    // Its goodbye travels on the control socket and can overtake its last writes (completed at
+    // the peer, still on the wire): keep its connection and counters a grace period longer.
+    p.draining.store(true, std::memory_order_release);
+    p.drain_deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
+    draining_++;
+    return;
+  }
+  reset_backend_peer(id);
   imm_.fail_from(id, Status(code, "peer %u: %s", id, why));
+}
+
+void NicGroup::end_drains(Clock::time_point now) {
+  const uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
+  for (PeerId i = 0; i < n && draining_ > 0; i++) {
+    Peer& p = peers_[i];
+    if (!p.draining.load(std::memory_order_relaxed) || now < p.drain_deadline) continue;
+    draining_--;
+    reset_backend_peer(i);
+    imm_.fail_from(i, Status(Code::kPeerDead, "peer %u closed its engine before these arrived", i));
+    p.draining.store(false, std::memory_order_release);  // now peer_dead() says so
+  }
 }
 
 bool NicGroup::slot_uses_peer(const Slot& s, PeerId id) const {
@@ -651,7 +675,7 @@ void NicGroup::start_op(const Op& op) {
       return;
     case Op::kExpect: {
       uint32_t t = op.timeout_ms ? op.timeout_ms : cfg_.timeout_ms;
-      if (op.peer != kAnyPeer && peer_dead(op.peer)) {
+      if (op.peer != kAnyPeer && peer_dead(op.peer)) {  // a draining peer's counters still count
         op.done(Status(Code::kPeerDead, "expect_imm: peer %u is dead", op.peer));
         return;
       }
@@ -874,6 +898,7 @@ void NicGroup::housekeeping(Clock::time_point now) {
     s = next;
   }
   imm_.expire(now);
+  if (draining_ > 0) end_drains(now);
   uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n; i++) {
     Peer& p = peers_[i];

@@ -68,7 +68,8 @@ class NicGroup {
   // Peers.
   Result<PeerId> new_outbound_peer(const GroupAddress& addr);
   bool peer_ready(PeerId p) const;
-  bool peer_dead(PeerId p) const;
+  bool peer_dead(PeerId p) const;    // nothing more will come from it (after any drain)
+  bool peer_closed(PeerId p) const;  // nothing may be sent to it
   int peer_nics(PeerId p) const;
   size_t peer_max_shard(PeerId p) const;
   bool peer_exists(PeerId p) const;
@@ -96,6 +97,8 @@ class NicGroup {
     bool hello_received = false;
     bool hello_sent = false;
     bool orderly_close = false;  // the peer said goodbye before closing, or we did
+    std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
+    std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen
@@ -138,6 +141,7 @@ class NicGroup {
   void housekeeping(std::chrono::steady_clock::time_point now);
   void poll_control(std::chrono::steady_clock::time_point now);
   void service_peer(PeerId p, int which);
+  void end_drains(std::chrono::steady_clock::time_point now);
   Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
   Status send_hello(PeerId p, int which);
   void start_reconnect(PeerId p, const char* why);
@@ -190,6 +194,7 @@ class NicGroup {
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> worker_id_{};
   std::thread worker_;
+  uint32_t draining_ = 0;  // peers closed in order whose counters still wait (see peer_died)
   std::chrono::steady_clock::time_point now_;  // the worker loop's clock, read every few passes
   std::chrono::steady_clock::time_point last_activity_;
   std::chrono::steady_clock::time_point last_timeout_scan_;

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -97,6 +98,7 @@ Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics,
 // ---------------------------------------------------------------- the peer process
 // Commands (text lines over the channel), each answered "ok" or an error text:
 //   expect V N       wait for N immediates of value V        expectw V LEN N: N writes of LEN
+//   arm V LEN N      as expectw, answered once armed           wait: the armed counter's verdict
 //   check OFF LEN SEED PATOFF   verify the buffer (retries until a deadline: plain writes)
 //   fill OFF LEN SEED           write a pattern into the buffer
 //   recv N                      wait for N two-sided messages (each verified by its seed)
@@ -150,6 +152,7 @@ int run_peer(int argc, char** argv) {
     }
     return kAnyPeer;
   };
+  std::unique_ptr<Flag> armed;
   std::string cmd;
   while (ch.recv_str(&cmd, 120000)) {
     std::istringstream in(cmd);
@@ -168,6 +171,21 @@ int run_peer(int argc, char** argv) {
       Status st = e.expect_imm(0, v, n, from == kAnyPeer ? kAnyPeer : from, f.notify());
       if (st.ok()) st = f.wait(30s);
       ch.send_str(st.ok() ? "ok" : std::string("expect: ") + st.message());
+    } else if (op == "arm") {
+      uint32_t v = 0, n = 0;
+      size_t len = 0;
+      in >> v >> len >> n;
+      PeerId from = peer_of_parent();
+      if (from == kAnyPeer) {
+        ch.send_str("arm: the parent is not connected");
+        continue;
+      }
+      armed = std::make_unique<Flag>();
+      Status st = e.expect_imm(0, v, n * e.imms_per_write(0, from, len), from, armed->notify());
+      ch.send_str(st.ok() ? "ok" : std::string("arm: ") + st.message());
+    } else if (op == "wait") {
+      Status st = armed ? armed->wait(30s) : Status(Code::kInvalidArgument, "nothing armed");
+      ch.send_str(st.ok() ? "ok" : std::string("wait: ") + st.message());
     } else if (op == "check") {
       size_t off, len, patoff;
       uint32_t seed;
@@ -500,12 +518,14 @@ TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
 
 // Destroying the engine is an orderly shutdown: writes already posted finish (their callbacks
 // report success, before the destructor returns) and their bytes land; nothing is cancelled
-// while it is on the wire.
+// while it is on the wire. The peer's counter, armed for them before, is satisfied: our goodbye
+// may overtake the last writes, and the peer keeps counting them for a grace period.
 TEST_P(EngineTest, ShutdownLetsPostedWritesFinish) {
   start();
   constexpr int kWrites = 16;
   constexpr size_t kLen = 256 << 10;
   fill(src_, kWrites * kLen, 21);
+  ASSERT_EQ(peers_[0]->cmd("arm 77 " + std::to_string(kLen) + " " + std::to_string(kWrites)), "ok");
   Counter writes;
   for (int k = 0; k < kWrites; k++) {
     ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, k * kLen, kLen}, peers_[0]->region(), k * kLen, 77,
@@ -515,6 +535,7 @@ TEST_P(EngineTest, ShutdownLetsPostedWritesFinish) {
   eng_.reset();  // the registration goes with it
   EXPECT_EQ(writes.ok + writes.failed, kWrites) << "a callback did not run before the engine was gone";
   EXPECT_EQ(writes.ok, kWrites) << writes.failed << " posted writes were cancelled instead of finishing";
+  EXPECT_EQ(peers_[0]->cmd("wait"), "ok");
   EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(kWrites * kLen) + " 21 0"), "ok");
 }
 
