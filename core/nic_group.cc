@@ -148,14 +148,8 @@ void NicGroup::stop() {
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
-  // Tell live peers this is an orderly shutdown, not a crash (best effort, never blocks).
-  const uint8_t bye[2] = {kHelloVersion, kByeType};
-  for (auto& p : peers_) {
-    for (auto& sock : p.sock) {
-      if (sock.open() && p.state.load(std::memory_order_relaxed) == kReady) (void)sock.send_message(bye);
-      sock.close();
-    }
-  }
+  for (auto& p : peers_)  // linger() said goodbye to those that were ready
+    for (auto& sock : p.sock) sock.close();
   pending_.clear();
   for (size_t i = 0; i < recv_mrs_.size(); i++) nics_[i]->deregister(recv_mrs_[i].nic_mrs[i]);
   recv_mrs_.clear();
@@ -925,13 +919,6 @@ void NicGroup::sleep_idle(uint32_t us) {
 // that holds a half-received write). Bounded: kLingerMs (or PONTE_TIMEOUT_MS if shorter).
 void NicGroup::linger() {
   const auto deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
-  Completion comps[32];
-  auto progress = [&] {
-    for (size_t k = 0; k < nics_.size(); k++) {
-      int n = nics_[k]->poll(comps, 32);
-      for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps[c]);
-    }
-  };
   Status cancelled(Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
   // What was submitted before the shutdown runs to its end; submit() refuses anything newer
@@ -941,7 +928,7 @@ void NicGroup::linger() {
     now_ = now;
     drain_queue();
     if (run_head_ != kNoSlot) post_runnable();
-    progress();
+    poll_nics();
     poll_control(now);  // handshakes still under way, peers that close meanwhile
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
@@ -960,13 +947,23 @@ void NicGroup::linger() {
       waiting = peers_[i].orderly_close && peers_[i].state.load(std::memory_order_relaxed) == kReady;
     auto now = Clock::now();
     if (!waiting || now >= deadline) break;
-    progress();
+    poll_nics();
     poll_control(now);  // the peer's goodbye or its closed socket ends its wait
   }
 }
 
+// Polls every NIC once and handles what completed; whether anything did.
+bool NicGroup::poll_nics() {
+  bool any = false;
+  for (size_t k = 0; k < nics_.size(); k++) {
+    int n = nics_[k]->poll(comps_, kPollBatch);
+    for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps_[c]);
+    any |= n > 0;
+  }
+  return any;
+}
+
 void NicGroup::run() {
-  Completion comps[32];
   uint32_t idle_us = 0;
   uint32_t iter = 0;
   bool worked = false;  // since the clock was last read
@@ -974,11 +971,7 @@ void NicGroup::run() {
   while (!stop_.load(std::memory_order_acquire)) {
     bool did = drain_queue();
     if (run_head_ != kNoSlot) did |= post_runnable();
-    for (size_t k = 0; k < nics_.size(); k++) {
-      int n = nics_[k]->poll(comps, 32);
-      for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps[c]);
-      did |= n > 0;
-    }
+    did |= poll_nics();
     worked |= did;
     if (did) idle_us = 0;
     // The clock is read every 64th pass while working and every 8th while spinning idle: a

@@ -130,6 +130,7 @@ class NicGroup {
 
   void run();
   void linger();  // orderly shutdown on the worker, after run() (bounded by kLingerMs)
+  bool poll_nics();
   bool drain_queue();
   void start_op(const Op& op);
   bool post_runnable();
@@ -194,6 +195,8 @@ class NicGroup {
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> worker_id_{};
   std::thread worker_;
+  static constexpr int kPollBatch = 32;
+  Completion comps_[kPollBatch];  // worker only: poll_nics' batch
   uint32_t draining_ = 0;  // peers closed in order whose counters still wait (see peer_died)
   std::chrono::steady_clock::time_point now_;  // the worker loop's clock, read every few passes
   std::chrono::steady_clock::time_point last_activity_;
