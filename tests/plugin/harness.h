@@ -169,6 +169,29 @@ inline NcclResult connect_pair(const Net& net, int listen_dev, int connect_dev, 
   return p->send && p->recv ? kSuccess : kInternalError;
 }
 
+// One side of a two-process pair: calls connect (or accept) until NCCL's non-blocking handshake
+// yields the comm, an error, or the deadline (kInternalError: counts as a hang).
+inline NcclResult connect_comm(const Net& net, int dev, void* handle, void** send) {
+  DeviceHandle* dh = nullptr;
+  const auto deadline = Clock::now() + kDeadline;
+  *send = nullptr;
+  while (!*send && Clock::now() < deadline) {
+    NcclResult r = net->connect(net.ctx(), dev, handle, send, &dh);
+    if (r != kSuccess) return r;
+  }
+  return *send ? kSuccess : kInternalError;
+}
+inline NcclResult accept_comm(const Net& net, void* listen, void** recv) {
+  DeviceHandle* dh = nullptr;
+  const auto deadline = Clock::now() + kDeadline;
+  *recv = nullptr;
+  while (!*recv && Clock::now() < deadline) {
+    NcclResult r = net->accept(listen, recv, &dh);
+    if (r != kSuccess) return r;
+  }
+  return *recv ? kSuccess : kInternalError;
+}
+
 inline void close_pair(const Net& net, Pair* p) {
   if (p->send) net->close_send(p->send);
   if (p->recv) net->close_recv(p->recv);

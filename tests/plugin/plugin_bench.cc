@@ -174,11 +174,7 @@ void plugin_receiver(const Options& o, const Channel& ch) {
   if (net->listen(net.ctx(), dev, h.bytes, &listen) != kSuccess) die("listen");
   ch.send(h.bytes, sizeof(h.bytes));
   void* recv = nullptr;
-  DeviceHandle* dh = nullptr;
-  const auto deadline = Clock::now() + kDeadline;
-  while (!recv && Clock::now() < deadline)
-    if (net->accept(listen, &recv, &dh) != kSuccess) die("accept");
-  if (!recv) die("accept timeout");
+  if (accept_comm(net, listen, &recv) != kSuccess) die("accept");
   Buffer dst(net, recv, o.size * static_cast<size_t>(o.window));
   std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
   const int total = o.warmup + o.iters;
@@ -225,11 +221,7 @@ double plugin_sender_run(const Options& o, std::vector<uint8_t>& handle) {
   if (net.init_result != kSuccess) die("plugin init");
   const int dev = plugin_device(net, o);
   void* send = nullptr;
-  DeviceHandle* dh = nullptr;
-  const auto deadline = Clock::now() + kDeadline;
-  while (!send && Clock::now() < deadline)
-    if (net->connect(net.ctx(), dev, handle.data(), &send, &dh) != kSuccess) die("connect");
-  if (!send) die("connect timeout");
+  if (connect_comm(net, dev, handle.data(), &send) != kSuccess) die("connect");
   Buffer src(net, send, o.size);
   std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
   const int total = o.warmup + o.iters;

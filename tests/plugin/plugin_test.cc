@@ -535,6 +535,25 @@ std::vector<size_t> split_sizes(const std::string& s) {
   return v;
 }
 
+// Sends each size (pattern seeds 1, 2, ...) over send to a peer in role "recv", checks the size
+// each send reports, then the peer's verdict on every byte and its clean exit.
+void send_sizes_to_receiver(const Net& net, void* send, const std::vector<size_t>& sizes, Peer& peer) {
+  uint32_t seed = 1;
+  for (size_t s : sizes) {
+    Buffer src(net, send, s);
+    fill(src.data(), s, seed++);
+    void* req = nullptr;
+    ASSERT_OK(post_send(net, send, src.data(), s, 0, src.mh(), &req));
+    int got = -1;
+    ASSERT_OK(wait_request(net, req, &got));
+    EXPECT_EQ(got, static_cast<int>(s));
+  }
+  std::string verdict;
+  ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
+  EXPECT_EQ(verdict, "ok");
+  EXPECT_EQ(peer.wait_exit(30000), 0);
+}
+
 TEST(PluginProcesses, NoDevicesUnlessTheProviderIsNamed) {
   // With the default provider (efa) and no EFA device, ponte offers no device, so NCCL falls back
   // to its own transports: init succeeds, devices() == 0.
@@ -559,24 +578,8 @@ TEST(PluginProcesses, TwoProcessesBothDirectionsByteForByte) {
     ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
     ASSERT_EQ(handle.size(), kHandleMaxSize);
     void* send = nullptr;
-    DeviceHandle* dh = nullptr;
-    const auto deadline = Clock::now() + kDeadline;
-    while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), 0, handle.data(), &send, &dh));
-    ASSERT_NE(send, nullptr);
-    uint32_t seed = 1;
-    for (size_t s : sizes) {
-      Buffer src(net, send, s);
-      fill(src.data(), s, seed++);
-      void* req = nullptr;
-      ASSERT_OK(post_send(net, send, src.data(), s, 0, src.mh(), &req));
-      int got = -1;
-      ASSERT_OK(wait_request(net, req, &got));
-      EXPECT_EQ(got, static_cast<int>(s));
-    }
-    std::string verdict;
-    ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
-    EXPECT_EQ(verdict, "ok");
-    EXPECT_EQ(peer.wait_exit(30000), 0);
+    ASSERT_OK(connect_comm(net, 0, handle.data(), &send));
+    ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, send, sizes, peer));
     net->close_send(send);
   }
   // The peer sends: we listen, it connects.
@@ -588,10 +591,7 @@ TEST(PluginProcesses, TwoProcessesBothDirectionsByteForByte) {
     ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
     ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
     void* recv = nullptr;
-    DeviceHandle* dh = nullptr;
-    const auto deadline = Clock::now() + kDeadline;
-    while (!recv && Clock::now() < deadline) ASSERT_OK(net->accept(listen, &recv, &dh));
-    ASSERT_NE(recv, nullptr);
+    ASSERT_OK(accept_comm(net, listen, &recv));
     uint32_t seed = 1;
     for (size_t s : sizes) {
       Buffer dst(net, recv, s + 100);
@@ -630,24 +630,8 @@ TEST(PluginProcesses, TwoProcessesFourNicDevicesThroughBootstrap) {
   ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
   EXPECT_EQ(handle[1], 'B');
   void* send = nullptr;
-  DeviceHandle* dh = nullptr;
-  const auto deadline = Clock::now() + kDeadline;
-  while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), dev, handle.data(), &send, &dh));
-  ASSERT_NE(send, nullptr);
-  uint32_t seed = 1;
-  for (size_t s : sizes) {
-    Buffer src(net, send, s);
-    fill(src.data(), s, seed++);
-    void* req = nullptr;
-    ASSERT_OK(post_send(net, send, src.data(), s, 0, src.mh(), &req));
-    int got = -1;
-    ASSERT_OK(wait_request(net, req, &got));
-    EXPECT_EQ(got, static_cast<int>(s));
-  }
-  std::string verdict;
-  ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
-  EXPECT_EQ(verdict, "ok");
-  EXPECT_EQ(peer.wait_exit(30000), 0);
+  ASSERT_OK(connect_comm(net, dev, handle.data(), &send));
+  ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, send, sizes, peer));
   net->close_send(send);
 }
 
@@ -661,10 +645,7 @@ TEST(PluginProcesses, ReceiverKilledMidStreamFailsTheSender) {
   std::vector<uint8_t> handle;
   ASSERT_TRUE(peer.channel().recv(&handle));
   void* send = nullptr;
-  DeviceHandle* dh = nullptr;
-  const auto deadline = Clock::now() + kDeadline;
-  while (!send && Clock::now() < deadline) ASSERT_OK(net->connect(net.ctx(), 0, handle.data(), &send, &dh));
-  ASSERT_NE(send, nullptr);
+  ASSERT_OK(connect_comm(net, 0, handle.data(), &send));
   Buffer src(net, send, 4 * kMiB);
   fill(src.data(), 4 * kMiB, 3);
   int sent = 0;
@@ -720,10 +701,7 @@ TEST(PluginProcesses, SenderKilledMidStreamFailsTheReceiver) {
   ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
   ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
   void* recv = nullptr;
-  DeviceHandle* dh = nullptr;
-  const auto deadline = Clock::now() + kDeadline;
-  while (!recv && Clock::now() < deadline) ASSERT_OK(net->accept(listen, &recv, &dh));
-  ASSERT_NE(recv, nullptr);
+  ASSERT_OK(accept_comm(net, listen, &recv));
   Buffer dst(net, recv, kMiB);
   int received = 0;
   NcclResult failure = kSuccess;
@@ -843,11 +821,7 @@ int peer_main(int argc, char** argv) {
     if (net->listen(net.ctx(), dev, h.bytes, &listen) != kSuccess) return fail("listen");
     ch.send(h.bytes, sizeof(h.bytes));
     void* recv = nullptr;
-    DeviceHandle* dh = nullptr;
-    const auto deadline = Clock::now() + kDeadline;
-    while (!recv && Clock::now() < deadline)
-      if (net->accept(listen, &recv, &dh) != kSuccess) return fail("accept");
-    if (!recv) return fail("accept timeout");
+    if (accept_comm(net, listen, &recv) != kSuccess) return fail("accept");
     if (role == "recv_forever") {  // receive until killed
       Buffer dst(net, recv, 4 * kMiB);
       for (;;) {
@@ -885,11 +859,7 @@ int peer_main(int argc, char** argv) {
     std::vector<uint8_t> handle;
     if (!ch.recv(&handle) || handle.size() != kHandleMaxSize) return fail("handle");
     void* send = nullptr;
-    DeviceHandle* dh = nullptr;
-    const auto deadline = Clock::now() + kDeadline;
-    while (!send && Clock::now() < deadline)
-      if (net->connect(net.ctx(), 0, handle.data(), &send, &dh) != kSuccess) return fail("connect");
-    if (!send) return fail("connect timeout");
+    if (connect_comm(net, 0, handle.data(), &send) != kSuccess) return fail("connect");
     if (role == "send_forever") {
       Buffer src(net, send, kMiB);
       for (;;) {
