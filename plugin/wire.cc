@@ -42,11 +42,16 @@ Status check_header(std::span<const uint8_t> b, uint8_t kind, size_t min_len, co
   return Status::Ok();
 }
 
-// A RemoteRegion embedded with a u16 (messages) or u8 (CTS) length prefix.
-Result<RemoteRegion> decode_region(std::span<const uint8_t> b, const char* what) {
+// A RemoteRegion embedded with a u16 (messages) or u8 (CTS) length prefix; with a name, it must
+// hold at least min_len bytes.
+Result<RemoteRegion> decode_region(std::span<const uint8_t> b, const char* what,
+                                   const char* region = nullptr, size_t min_len = 0) {
   auto r = RemoteRegion::decode(b);
   if (!r.ok())
     return Status(Code::kInvalidArgument, "%s: bad region: %s", what, r.status().message());
+  if (r->len < min_len)
+    return Status(Code::kInvalidArgument, "%s: %s region of %llu bytes < %zu", what, region,
+                  static_cast<unsigned long long>(r->len), min_len);
   return r;
 }
 
@@ -167,10 +172,7 @@ Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
                          b.begin() + static_cast<std::ptrdiff_t>(len));
   if (m.sender_comm_id == 0 || m.sender_comm_id > kMaxCommId || m.token == 0)
     return Status(Code::kInvalidArgument, "CONNECT: bad comm id %u or token", m.sender_comm_id);
-  PONTE_ASSIGN_OR_RETURN(m.fifo, decode_region(b.subspan(30, rlen), "CONNECT"));
-  if (m.fifo.len < kFifoBytes)
-    return Status(Code::kInvalidArgument, "CONNECT: FIFO region of %llu bytes < %zu",
-                  static_cast<unsigned long long>(m.fifo.len), kFifoBytes);
+  PONTE_ASSIGN_OR_RETURN(m.fifo, decode_region(b.subspan(30, rlen), "CONNECT", "FIFO", kFifoBytes));
   return m;
 }
 
@@ -186,10 +188,7 @@ Result<AcceptMsg> decode_accept(std::span<const uint8_t> b) {
                   rlen, len);
   if (m.receiver_comm_id == 0 || m.receiver_comm_id > kMaxCommId)
     return Status(Code::kInvalidArgument, "ACCEPT: bad comm id %u", m.receiver_comm_id);
-  PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT"));
-  if (m.records.len < kRecordArea)
-    return Status(Code::kInvalidArgument, "ACCEPT: record region of %llu bytes < %zu",
-                  static_cast<unsigned long long>(m.records.len), kRecordArea);
+  PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT", "record", kRecordArea));
   return m;
 }
 
