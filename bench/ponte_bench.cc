@@ -160,17 +160,25 @@ void nap(long us = 100) {
   nanosleep(&ts, nullptr);
 }
 
-// Sleeps until pred() holds; dies naming `what` after the timeout. The naps grow from 20 us to
-// 1 ms: a waiting main thread must not keep waking on the core a worker is measuring on (rows
-// are timed by the worker's callbacks, not by this wait).
+// Naps that grow from 20 us to 1 ms: a waiting main thread must not keep waking on the core a
+// worker is measuring on (rows are timed by the worker's callbacks, not by these waits).
+struct Backoff {
+  long us = 20;
+  void operator()() {
+    nap(us);
+    us = us < 1000 ? us * 2 : 1000;
+  }
+  void reset() { us = 20; }
+};
+
+// Sleeps until pred() holds; dies naming `what` after the timeout.
 template <typename Pred>
 void wait_until(Pred pred, const char* what) {
   const int64_t deadline = now_ns() + int64_t{g_timeout_s} * 1000000000;
-  long us = 20;
+  Backoff backoff;
   while (!pred()) {
     if (now_ns() > deadline) die("timed out after %d s waiting for %s", g_timeout_s, what);
-    nap(us);
-    us = us < 1000 ? us * 2 : 1000;
+    backoff();
   }
 }
 
@@ -585,10 +593,10 @@ struct Stream {
     int64_t t0 = now_ns();
     for (int i = 0; i < window; i++) next();
     const int64_t deadline = t0 + int64_t{g_timeout_s} * 1000000000;
-    long nap_us = 20;
+    Backoff backoff;
     while (!finished.load(std::memory_order_acquire)) {
       uint64_t d = deferred.load(std::memory_order_acquire);
-      if (d > 0) nap_us = 20;  // refused submissions to retry: stay close
+      if (d > 0) backoff.reset();  // refused submissions to retry: stay close
       while (d > 0) {
         if (!deferred.compare_exchange_weak(d, d - 1)) continue;
         Status st = submit();
@@ -606,8 +614,7 @@ struct Stream {
       if (now_ns() > deadline)
         die("timed out after %d s: %" PRIu64 " of %" PRIu64 " %s operations completed", g_timeout_s,
             completed.load(), total, kOpNames[op]);
-      nap(nap_us);
-      nap_us = nap_us < 1000 ? nap_us * 2 : 1000;
+      backoff();
     }
     if (errors.failed.load()) die("%s: %s", kOpNames[op], errors.error());
     return static_cast<double>(t_end.load() - t0) * 1e-9;
