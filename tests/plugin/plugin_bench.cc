@@ -1,17 +1,26 @@
-// plugin-bench: bandwidth of the NCCL plugin (isend/irecv through libnccl-net-ponte.so, as NCCL's
-// proxy drives it) against the engine's own write-with-immediate bandwidth, same provider, same run.
+// plugin-bench: any NCCL net plugin driven as NCCL's proxy thread drives it (dlopen, isend/irecv/
+// test from one thread), bandwidth and ping-pong latency tables, another plugin alongside for ratios.
 //
-//   plugin-bench [--size 4m] [--window 8] [--iters 200] [--warmup 20] [--nics 1] [--repeat 3]
-//                [--json]
+//   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--sizes 1k,..,64m]
+//                [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N] [--lat-iters 1000]
+//                [--repeat 3] [--nics 1] [--engine-size 4m] [--no-engine] [--timeout 60] [--json]
 //
-// Two processes on this host (the receiver is this binary started again). The environment picks
-// the backend as everywhere in ponte (PONTE_BACKEND, PONTE_FABRIC_PROVIDER; default here:
-// tcp;ofi_rxm on loopback). --nics N > 1 fuses device 0 N times (makeVDevice) and gives the
-// engine a group of N NICs, so both sides stripe alike.
+// Every run is two fresh processes (this binary started again), each loading one plugin, listening,
+// connecting to the other and accepting; side A sends and measures, side B receives. With
+// --compare the two plugins run alternately, --repeat times each, and the best run per row is
+// kept (the host is shared). The engine's own write-with-immediate bandwidth (the ceiling of
+// ponte's plugin) is measured in this process at --engine-size with the same caller loop.
+// The environment picks the provider for each plugin as it would under NCCL; the defaults here are
+// PONTE_BACKEND=fabric, PONTE_FABRIC_PROVIDER=tcp;ofi_rxm and FI_TCP_IFACE=lo (loopback only).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
+#include <ctime>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -24,18 +33,34 @@ using namespace ponte::plugin_test;
 namespace {
 
 struct Options {
-  size_t size = 4u << 20;
+  std::string plugin;
+  std::string compare;
+  std::vector<std::string> callers = {"yield", "spin"};
+  std::vector<size_t> sizes;
+  std::vector<size_t> lat_sizes;
   int window = 8;
-  int iters = 200;
-  int warmup = 20;
-  int nics = 1;
+  size_t bytes = 1ull << 30;  // per bandwidth row: iterations = bytes / size within 64..20000
+  int iters = 0;              // fixed iterations per bandwidth row (0: from --bytes)
+  int warmup = -1;            // -1: max(2 x window, iters / 10)
+  int lat_iters = 1000;
   int repeat = 3;
+  int nics = 1;
+  size_t engine_size = 4u << 20;
+  bool engine = true;
+  int timeout_s = 60;
   bool json = false;
+  std::vector<std::string> args;  // as given, for the side processes
 };
+
+[[noreturn]] void die(const char* what) {
+  std::fprintf(stderr, "plugin-bench: %s\n", what);
+  std::exit(1);
+}
 
 size_t parse_bytes(const std::string& s) {
   char* end = nullptr;
   double v = std::strtod(s.c_str(), &end);
+  if (end == s.c_str()) die(("not a size: " + s).c_str());
   switch (end && *end ? (*end | 0x20) : 0) {
     case 'k':
       v *= 1024;
@@ -52,28 +77,520 @@ size_t parse_bytes(const std::string& s) {
   return static_cast<size_t>(v);
 }
 
-std::string opts_args(const Options& o) {
-  return std::to_string(o.size) + "," + std::to_string(o.window) + "," + std::to_string(o.iters) +
-         "," + std::to_string(o.warmup) + "," + std::to_string(o.nics);
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
 }
-Options opts_from(const std::string& s) {
+
+std::vector<size_t> parse_sizes(const std::string& s) {
+  std::vector<size_t> out;
+  for (auto& item : split(s)) out.push_back(parse_bytes(item));
+  return out;
+}
+
+constexpr const char* kUsage =
+    "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--sizes LIST]\n"
+    "                    [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N] [--warmup N]\n"
+    "                    [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m]\n"
+    "                    [--no-engine] [--timeout 60] [--json]\n";
+
+Options parse_options(int argc, char** argv, int first) {
   Options o;
-  std::sscanf(s.c_str(), "%zu,%d,%d,%d,%d", &o.size, &o.window, &o.iters, &o.warmup, &o.nics);
+  o.plugin = plugin_path();
+  o.sizes = parse_sizes("1k,4k,16k,64k,256k,1m,4m,16m,64m");
+  o.lat_sizes = parse_sizes("8,64,512,4k,16k,64k");
+  for (int i = first; i < argc; ++i) {
+    const std::string a = argv[i];
+    o.args.push_back(a);
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) die(("missing value after " + a).c_str());
+      o.args.push_back(argv[i + 1]);
+      return argv[++i];
+    };
+    if (a == "--plugin") o.plugin = next();
+    else if (a == "--compare") o.compare = next();
+    else if (a == "--caller") o.callers = split(next());
+    else if (a == "--sizes" || a == "--size") o.sizes = parse_sizes(next());
+    else if (a == "--lat-sizes") o.lat_sizes = parse_sizes(next());
+    else if (a == "--window") o.window = std::stoi(next());
+    else if (a == "--bytes") o.bytes = parse_bytes(next());
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--lat-iters") o.lat_iters = std::stoi(next());
+    else if (a == "--repeat") o.repeat = std::stoi(next());
+    else if (a == "--nics") o.nics = std::stoi(next());
+    else if (a == "--engine-size") o.engine_size = parse_bytes(next());
+    else if (a == "--no-engine") o.engine = false;
+    else if (a == "--timeout") o.timeout_s = std::stoi(next());
+    else if (a == "--json") o.json = true;
+    else {
+      std::fputs(kUsage, stderr);
+      std::exit(2);
+    }
+  }
+  for (auto& c : o.callers)
+    if (c != "yield" && c != "spin") die("--caller takes yield, spin or both");
+  for (size_t s : o.sizes)
+    if (s == 0) die("sizes must be > 0");
+  if (o.window < 1 || o.window > kMaxRequests || o.nics < 1 || o.nics > kMaxDevsPerNic ||
+      o.repeat < 1 || o.lat_iters < 1 || o.iters < 0 || o.timeout_s < 1 || o.callers.empty())
+    die("window must be 1..32, nics 1..4, repeat, lat-iters and timeout > 0");
   return o;
 }
 
-[[noreturn]] void die(const char* what) {
-  std::fprintf(stderr, "plugin-bench: %s\n", what);
-  std::exit(1);
+int bw_iters(const Options& o, size_t size) {
+  if (o.iters > 0) return o.iters;
+  return static_cast<int>(std::clamp<size_t>(o.bytes / size, 64, 20000));
+}
+int bw_warmup(const Options& o, int iters) {
+  return o.warmup >= 0 ? o.warmup : std::max(2 * o.window, iters / 10);
 }
 
-uint8_t* alloc(size_t n) {
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
-  std::memset(p, 1, n);
-  return p;
+// ---- time and CPU -----------------------------------------------------------------------------
+
+double thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+}
+double process_cpu_ns() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  auto ns = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e9 + t.tv_usec * 1e3; };
+  return ns(ru.ru_utime) + ns(ru.ru_stime);
 }
 
-// ---- engine write-with-immediate ----------------------------------------------------------------
+// A measured interval: wall time, the calling (proxy) thread's CPU and the whole process's CPU.
+struct Meter {
+  Clock::time_point t0;
+  double thread0 = 0, proc0 = 0;
+  void start() {
+    t0 = Clock::now();
+    thread0 = thread_cpu_ns();
+    proc0 = process_cpu_ns();
+  }
+  double secs() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+  double thread_ns() const { return thread_cpu_ns() - thread0; }
+  double proc_ns() const { return process_cpu_ns() - proc0; }
+};
+
+// The caller loop's two styles: NCCL's proxy thread yields when a pass over its work made no
+// progress ("yield"); a busy-polling caller never does ("spin").
+struct Caller {
+  bool yield = true;
+  void pass(bool progress) const {
+    if (yield && !progress) std::this_thread::yield();
+  }
+};
+
+// ---- loading a plugin -------------------------------------------------------------------------
+
+// The newest table the library exports (v11, v10 or v9), seen through the v11 layout: the older
+// tables' calls are forwarded by the shims below (one plugin per process).
+struct Loaded {
+  void* handle = nullptr;
+  int version = 0;
+  NetV11 table{};
+};
+NetV10* g_v10 = nullptr;
+NetV9* g_v9 = nullptr;
+
+NcclResult v10_init(void** ctx, uint64_t, CommConfig*, Logger logger, ProfilerCallback prof) {
+  *ctx = nullptr;
+  return g_v10->init(logger, prof);
+}
+NcclResult v10_listen(void*, int dev, void* handle, void** comm) { return g_v10->listen(dev, handle, comm); }
+NcclResult v10_connect(void*, int dev, void* handle, void** comm, DeviceHandle** dh) {
+  CommConfig config{kTrafficClassUndef};
+  return g_v10->connect(dev, &config, handle, comm, dh);
+}
+NcclResult v10_finalize(void*) { return kSuccess; }
+NcclResult v10_get_properties(int dev, PropertiesV11* p) {
+  *p = PropertiesV11{};
+  return g_v10->get_properties(dev, reinterpret_cast<PropertiesV10*>(p));  // v11 extends v10
+}
+NcclResult v9_init(void** ctx, uint64_t, CommConfig*, Logger logger, ProfilerCallback) {
+  *ctx = nullptr;
+  return g_v9->init(logger);
+}
+NcclResult v9_listen(void*, int dev, void* handle, void** comm) { return g_v9->listen(dev, handle, comm); }
+NcclResult v9_connect(void*, int dev, void* handle, void** comm, DeviceHandle** dh) {
+  return g_v9->connect(dev, handle, comm, dh);
+}
+NcclResult v9_get_properties(int dev, PropertiesV11* p) {
+  *p = PropertiesV11{};
+  return g_v9->get_properties(dev, reinterpret_cast<PropertiesV9*>(p));
+}
+NcclResult v9_isend(void* comm, void* data, size_t size, int tag, void* mh, void*, void** req) {
+  return g_v9->isend(comm, data, size, tag, mh, req);
+}
+NcclResult v9_irecv(void* comm, int n, void** data, size_t* sizes, int* tags, void** mhs, void**,
+                    void** req) {
+  return g_v9->irecv(comm, n, data, sizes, tags, mhs, req);
+}
+
+// The calls whose signature v9 and v10 share with v11.
+template <typename Table>
+void copy_common(const Table* from, NetV11* t) {
+  t->name = from->name;
+  t->devices = from->devices;
+  t->accept = from->accept;
+  t->reg_mr = from->reg_mr;
+  t->dereg_mr = from->dereg_mr;
+  t->test = from->test;
+  t->close_send = from->close_send;
+  t->close_recv = from->close_recv;
+  t->close_listen = from->close_listen;
+  t->make_vdevice = from->make_vdevice;
+  t->finalize = v10_finalize;
+}
+
+Loaded load_plugin(const std::string& path) {
+  Loaded l;
+  l.handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // as NCCL opens it
+  if (!l.handle) die(("dlopen: " + std::string(dlerror())).c_str());
+  NetV11& t = l.table;
+  if (auto* v11 = static_cast<NetV11*>(dlsym(l.handle, "ncclNetPlugin_v11"))) {
+    l.version = 11;
+    t = *v11;
+  } else if ((g_v10 = static_cast<NetV10*>(dlsym(l.handle, "ncclNetPlugin_v10")))) {
+    l.version = 10;
+    copy_common(g_v10, &t);
+    t.init = v10_init;
+    t.get_properties = v10_get_properties;
+    t.listen = v10_listen;
+    t.connect = v10_connect;
+    t.isend = g_v10->isend;
+    t.irecv = g_v10->irecv;
+  } else if ((g_v9 = static_cast<NetV9*>(dlsym(l.handle, "ncclNetPlugin_v9")))) {
+    l.version = 9;
+    copy_common(g_v9, &t);
+    t.init = v9_init;
+    t.get_properties = v9_get_properties;
+    t.listen = v9_listen;
+    t.connect = v9_connect;
+    t.isend = v9_isend;
+    t.irecv = v9_irecv;
+  } else {
+    die(("no ncclNetPlugin_v11, _v10 or _v9 in " + path).c_str());
+  }
+  return l;
+}
+
+// ---- one side of a plugin run -----------------------------------------------------------------
+
+// Buffers are filled with words derived from a seed, so the receiver can tell this size's data
+// from what an earlier size left behind.
+void fill_words(uint8_t* p, size_t n, uint64_t seed) {
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    const uint64_t w = seed * 0x9e3779b97f4a7c15ull + i;
+    std::memcpy(p + i, &w, 8);
+  }
+}
+bool check_words(const uint8_t* p, size_t n, uint64_t seed) {
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    const uint64_t w = seed * 0x9e3779b97f4a7c15ull + i;
+    if (std::memcmp(p + i, &w, 8) != 0) return false;
+  }
+  return true;
+}
+
+struct Side {
+  const Options& o;
+  Caller caller;
+  Clock::time_point deadline;
+  NetV11* t = nullptr;
+  void* ctx = nullptr;
+  void* send = nullptr;
+  void* recv = nullptr;
+  void* listen = nullptr;
+  uint8_t* sbuf = nullptr;
+  uint8_t* rbuf = nullptr;
+  size_t slen = 0, rlen = 0;
+  void* smh = nullptr;
+  void* rmh = nullptr;
+
+  void check(NcclResult r, const char* what) const {
+    if (r != kSuccess) die((std::string(what) + " failed: " + std::to_string(r)).c_str());
+    if (Clock::now() > deadline) die((std::string(what) + ": timed out").c_str());
+  }
+  // Offset of receive slot i for messages of `size` bytes (slots share the buffer when it is short).
+  size_t slot(int i, size_t size) const {
+    const size_t off = static_cast<size_t>(i) * size;
+    return off + size <= rlen ? off : 0;
+  }
+
+  // Sender side of a bandwidth row: window isends in flight, each slot re-posted when test()
+  // reports it done. Returns "secs msgs thread_ns proc_ns".
+  std::string send_bw(size_t size) {
+    const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
+    fill_words(sbuf, size, size);
+    std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
+    int posted = 0, completed = 0;
+    Meter m;
+    while (completed < total) {
+      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      bool progress = false;
+      for (int i = 0; i < o.window; ++i) {
+        void*& r = reqs[static_cast<size_t>(i)];
+        if (!r && posted < total) {
+          check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
+          if (r) ++posted, progress = true;
+        }
+        if (r) {
+          int done = 0, got = 0;
+          check(t->test(r, &done, &got), "test(send)");
+          if (done) r = nullptr, ++completed, progress = true;
+        }
+      }
+      caller.pass(progress);
+    }
+    char out[128];
+    std::snprintf(out, sizeof(out), "%.9f %d %.0f %.0f", m.secs(), total - warm, m.thread_ns(),
+                  m.proc_ns());
+    return out;
+  }
+
+  // Receiver side: window irecvs in flight; the last message's bytes and size are checked.
+  std::string recv_bw(size_t size) {
+    const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
+    std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
+    int posted = 0, completed = 0, last = 0;
+    Meter m;
+    while (completed < total) {
+      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      bool progress = false;
+      for (int i = 0; i < o.window; ++i) {
+        void*& r = reqs[static_cast<size_t>(i)];
+        if (!r && posted < total) {
+          void* data[1] = {rbuf + slot(i, size)};
+          size_t sizes[1] = {size};
+          int tags[1] = {0};
+          void* mhs[1] = {rmh};
+          check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
+          if (r) ++posted, progress = true;
+        }
+        if (r) {
+          int done = 0, got[1] = {0};
+          check(t->test(r, &done, got), "test(recv)");
+          if (done) {
+            if (static_cast<size_t>(got[0]) != size) die("a receive reported the wrong size");
+            r = nullptr, ++completed, progress = true, last = i;
+          }
+        }
+      }
+      caller.pass(progress);
+    }
+    if (!check_words(rbuf + slot(last, size), size, size)) die("received data does not verify");
+    char out[128];
+    std::snprintf(out, sizeof(out), "%.0f %.0f", m.thread_ns(), m.proc_ns());
+    return out;
+  }
+
+  // Polls test() on req until done (the caller style decides whether a fruitless pass yields).
+  void wait(void* req, const char* what) {
+    int done = 0, got = 0;
+    for (;;) {
+      check(t->test(req, &done, &got), what);
+      if (done) return;
+      caller.pass(false);
+    }
+  }
+  void* post_recv(size_t size) {
+    void* r = nullptr;
+    void* data[1] = {rbuf};
+    size_t sizes[1] = {size};
+    int tags[1] = {0};
+    void* mhs[1] = {rmh};
+    while (!r) {
+      check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
+      if (!r) caller.pass(false);
+    }
+    return r;
+  }
+  void* post_send(size_t size) {
+    void* r = nullptr;
+    while (!r) {
+      check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
+      if (!r) caller.pass(false);
+    }
+    return r;
+  }
+
+  // Ping-pong: A posts the pong's receive, sends the ping and waits for both; B answers each ping,
+  // its next receive posted before the pong (as NCCL keeps receives posted). Returns A's one-way
+  // latency in microseconds.
+  double pingpong(bool a, size_t size) {
+    const int warm = std::max(10, o.lat_iters / 10), total = o.lat_iters + warm;
+    fill_words(sbuf, size, size);
+    Clock::time_point t0;
+    void* next = a ? nullptr : post_recv(size);
+    for (int k = 0; k < total; ++k) {
+      if (k == warm) t0 = Clock::now();
+      if (a) {
+        void* r = post_recv(size);
+        void* s = post_send(size);
+        wait(s, "test(ping)");
+        wait(r, "test(pong)");
+      } else {
+        wait(next, "test(ping)");
+        next = k + 1 < total ? post_recv(size) : nullptr;
+        void* s = post_send(size);
+        wait(s, "test(pong)");
+      }
+    }
+    if (!check_words(rbuf, size, size)) die("ping-pong data does not verify");
+    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.lat_iters / 2;
+  }
+};
+
+// A side process: loads the plugin, listens, trades handles through the parent, connects and
+// accepts (interleaved, never blocking), then runs every row for one caller style and reports.
+int run_side(bool a, const std::string& path, const std::string& caller, const Options& o,
+             const Channel& ch) {
+  Loaded l = load_plugin(path);
+  Side s{o, Caller{caller == "yield"}, Clock::now() + std::chrono::seconds(o.timeout_s)};
+  s.t = &l.table;
+  CommConfig config{kTrafficClassUndef};
+  s.check(s.t->init(&s.ctx, 0x1234, &config, &test_logger, nullptr), "init");
+  int ndev = 0;
+  s.check(s.t->devices(&ndev), "devices");
+  if (ndev < 1) die("the plugin has no device");
+  int dev = 0;
+  if (o.nics > 1) {
+    if (!s.t->make_vdevice) die("the plugin has no makeVDevice (--nics > 1)");
+    VDeviceProps vp{};
+    vp.ndevs = o.nics;
+    s.check(s.t->make_vdevice(&dev, &vp), "makeVDevice");
+  }
+  Handle mine, theirs;
+  s.check(s.t->listen(s.ctx, dev, mine.bytes, &s.listen), "listen");
+  std::vector<uint8_t> got;
+  if (!ch.send(mine.bytes, sizeof(mine.bytes)) || !ch.recv(&got, o.timeout_s * 1000) ||
+      got.size() != sizeof(theirs.bytes))
+    die("handle exchange");
+  std::memcpy(theirs.bytes, got.data(), got.size());
+  DeviceHandle* dh = nullptr;
+  while (!s.send || !s.recv) {
+    if (!s.send) s.check(s.t->connect(s.ctx, dev, theirs.bytes, &s.send, &dh), "connect");
+    if (!s.recv) s.check(s.t->accept(s.listen, &s.recv, &dh), "accept");
+    std::this_thread::yield();
+  }
+  size_t max_bw = 0, max_lat = 0;
+  for (size_t z : o.sizes) max_bw = std::max(max_bw, z);
+  for (size_t z : o.lat_sizes) max_lat = std::max(max_lat, z);
+  s.slen = std::max(max_bw, max_lat);
+  s.rlen = std::max({max_lat, max_bw, std::min<size_t>(max_bw * static_cast<size_t>(o.window), 128u << 20)});
+  auto alloc = [](size_t n) {
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
+    std::memset(p, 0, n);
+    return p;
+  };
+  s.sbuf = alloc(s.slen);
+  s.rbuf = alloc(s.rlen);
+  s.check(s.t->reg_mr(s.send, s.sbuf, s.slen, kPtrHost, &s.smh), "regMr(send)");
+  s.check(s.t->reg_mr(s.recv, s.rbuf, s.rlen, kPtrHost, &s.rmh), "regMr(recv)");
+
+  std::string name = s.t->name ? s.t->name : "?";
+  std::replace(name.begin(), name.end(), ' ', '_');  // one word in the report
+  std::string report = "name " + name + " v" + std::to_string(l.version) + "\n";
+  const auto row_time = std::chrono::seconds(o.timeout_s);
+  for (size_t size : o.sizes) {
+    s.deadline = Clock::now() + row_time;
+    if (a) report += "bw " + std::to_string(size) + " " + s.send_bw(size) + "\n";
+    else report += "bwr " + std::to_string(size) + " " + s.recv_bw(size) + "\n";
+  }
+  for (size_t size : o.lat_sizes) {
+    s.deadline = Clock::now() + row_time;
+    char line[96];
+    std::snprintf(line, sizeof(line), "lat %zu %.3f\n", size, s.pingpong(a, size));
+    report += line;
+  }
+  ch.send_str(report);
+  std::string bye;
+  ch.recv_str(&bye, o.timeout_s * 1000);  // both sides done before either closes
+  s.t->dereg_mr(s.send, s.smh);
+  s.t->dereg_mr(s.recv, s.rmh);
+  s.t->close_send(s.send);
+  s.t->close_recv(s.recv);
+  s.t->close_listen(s.listen);
+  if (s.t->finalize) s.t->finalize(s.ctx);
+  std::free(s.sbuf);
+  std::free(s.rbuf);
+  return 0;
+}
+
+// ---- a run of one plugin (two side processes) --------------------------------------------------
+
+struct Row {
+  double gbps = 0;         // bandwidth (best run)
+  double send_cpu_ns = 0;  // sender's proxy thread CPU per message (in the best run)
+  double send_proc_ns = 0; // sender's whole process CPU per message
+  double recv_cpu_ns = 0;  // receiver's proxy thread CPU per message
+};
+struct PluginResult {
+  std::string name;
+  std::map<size_t, Row> bw;
+  std::map<size_t, double> lat_us;
+};
+
+void parse_report(const std::string& text, std::vector<std::vector<std::string>>* lines) {
+  std::stringstream ss(text);
+  for (std::string line; std::getline(ss, line);) {
+    std::stringstream ls(line);
+    std::vector<std::string> words;
+    for (std::string w; ls >> w;) words.push_back(w);
+    if (!words.empty()) lines->push_back(words);
+  }
+}
+
+void run_plugin(const Options& o, const std::string& path, const std::string& caller, PluginResult* res) {
+  std::vector<std::string> args_a = {"side-a", path, caller}, args_b = {"side-b", path, caller};
+  args_a.insert(args_a.end(), o.args.begin(), o.args.end());
+  args_b.insert(args_b.end(), o.args.begin(), o.args.end());
+  Peer a(args_a), b(args_b);
+  if (!a.started() || !b.started()) die("could not start the side processes");
+  const int ms = o.timeout_s * 1000;
+  std::vector<uint8_t> ha, hb;
+  if (!a.channel().recv(&ha, ms) || !b.channel().recv(&hb, ms)) die("a side failed to listen");
+  a.channel().send(hb);
+  b.channel().send(ha);
+  std::string ra, rb;
+  const int run_ms = ms * static_cast<int>(o.sizes.size() + o.lat_sizes.size() + 2);  // each row is bounded
+  if (!a.channel().recv_str(&ra, run_ms) || !b.channel().recv_str(&rb, run_ms))
+    die(("a run of " + path + " failed (see above)").c_str());
+  a.channel().send_str("bye");
+  b.channel().send_str("bye");
+  if (a.wait_exit(ms) != 0 || b.wait_exit(ms) != 0) die("a side did not exit cleanly");
+  std::vector<std::vector<std::string>> la, lb;
+  parse_report(ra, &la);
+  parse_report(rb, &lb);
+  std::map<size_t, double> recv_cpu;
+  for (auto& w : lb)
+    if (w[0] == "bwr" && w.size() == 4) recv_cpu[std::stoull(w[1])] = std::stod(w[2]);
+  for (auto& w : la) {
+    if (w[0] == "name" && w.size() >= 3) res->name = w[1] + " (" + w[2] + ")";
+    if (w[0] == "bw" && w.size() == 6) {
+      const size_t size = std::stoull(w[1]);
+      const double secs = std::stod(w[2]), msgs = std::stod(w[3]);
+      const double gbps = static_cast<double>(size) * msgs / secs / 1e9;
+      Row& row = res->bw[size];
+      if (gbps > row.gbps)
+        row = Row{gbps, std::stod(w[4]) / msgs, std::stod(w[5]) / msgs, recv_cpu[size] / msgs};
+    }
+    if (w[0] == "lat" && w.size() == 3) {
+      const size_t size = std::stoull(w[1]);
+      const double us = std::stod(w[2]);
+      auto it = res->lat_us.find(size);
+      if (it == res->lat_us.end() || us < it->second) res->lat_us[size] = us;
+    }
+  }
+}
+
+// ---- the engine's own write-with-immediate ------------------------------------------------------
 
 EngineOptions engine_options(const Options& o) {
   EngineOptions e;
@@ -84,8 +601,8 @@ EngineOptions engine_options(const Options& o) {
 void engine_receiver(const Options& o, const Channel& ch) {
   auto e = Engine::create(engine_options(o));
   if (!e.ok()) die(e.status().message());
-  const size_t len = o.size * static_cast<size_t>(o.window);
-  uint8_t* buf = alloc(len);
+  const size_t len = o.engine_size * static_cast<size_t>(o.window);
+  auto* buf = static_cast<uint8_t*>(std::aligned_alloc(4096, (len + 4095) / 4096 * 4096));
   auto mr = (*e)->register_memory(0, buf, len);
   if (!mr.ok()) die(mr.status().message());
   auto addr = (*e)->address(0);
@@ -93,8 +610,9 @@ void engine_receiver(const Options& o, const Channel& ch) {
   ch.send(addr.data(), addr.size());
   ch.send(region.data(), region.size());
   std::string done;
-  ch.recv_str(&done, 600000);  // the sender says when it is finished
+  ch.recv_str(&done, o.timeout_s * 4000);  // the sender says when it is finished
   (void)(*e)->deregister(mr.value());
+  std::free(buf);
 }
 
 struct Counter {
@@ -107,8 +625,11 @@ struct Counter {
   }
 };
 
-double engine_sender(const Options& o) {
-  Peer peer({"engine", opts_args(o)});
+// Window write_imms in flight from this thread, a slot re-posted when its completion was seen.
+Row engine_sender(const Options& o, const Caller& caller) {
+  std::vector<std::string> args = {"engine"};
+  args.insert(args.end(), o.args.begin(), o.args.end());
+  Peer peer(args);
   std::vector<uint8_t> addr, region_bytes;
   if (!peer.channel().recv(&addr) || !peer.channel().recv(&region_bytes)) die("engine peer");
   auto region = RemoteRegion::decode(region_bytes);
@@ -118,200 +639,173 @@ double engine_sender(const Options& o) {
   Engine& eng = **e;
   auto peer_id = eng.connect(0, addr);
   if (!peer_id.ok()) die(peer_id.status().message());
-  uint8_t* src = alloc(o.size);
-  auto mr = eng.register_memory(0, src, o.size);
+  const size_t size = o.engine_size;
+  auto* src = static_cast<uint8_t*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096));
+  std::memset(src, 1, size);
+  auto mr = eng.register_memory(0, src, size);
   if (!mr.ok()) die(mr.status().message());
   Counter c;
-  const uint64_t total = static_cast<uint64_t>(o.warmup + o.iters);
-  uint64_t posted = 0, done_at_t0 = 0;
-  Clock::time_point t0;
-  while (c.done.load(std::memory_order_acquire) < total) {
+  const int iters = bw_iters(o, size), warm = bw_warmup(o, iters);
+  const uint64_t total = static_cast<uint64_t>(iters + warm);
+  uint64_t posted = 0, seen = 0;
+  Meter m;
+  const auto deadline = Clock::now() + std::chrono::seconds(o.timeout_s);
+  while (seen < total) {
+    if (seen >= static_cast<uint64_t>(warm) && m.t0 == Clock::time_point{}) m.start();
     const uint64_t done = c.done.load(std::memory_order_acquire);
-    if (done >= static_cast<uint64_t>(o.warmup) && t0 == Clock::time_point{}) {
-      t0 = Clock::now();
-      done_at_t0 = done;
-    }
-    while (posted < total && posted - c.done.load(std::memory_order_acquire) < static_cast<uint64_t>(o.window)) {
-      LocalSlice s{&mr.value(), 0, o.size};
-      const size_t off = (posted % static_cast<uint64_t>(o.window)) * o.size;
-      Status st = eng.write_imm(0, peer_id.value(), s, region.value(), off, 0x7000 + static_cast<uint32_t>(posted % 8),
-                                Notify{&Counter::fire, &c});
+    bool progress = done != seen;
+    seen = done;
+    while (posted < total && posted - seen < static_cast<uint64_t>(o.window)) {
+      LocalSlice s{&mr.value(), 0, size};
+      const size_t off = (posted % static_cast<uint64_t>(o.window)) * size;
+      Status st = eng.write_imm(0, peer_id.value(), s, region.value(), off,
+                                0x7000 + static_cast<uint32_t>(posted % 8), Notify{&Counter::fire, &c});
       if (st.code() == Code::kAgain) break;
       if (!st.ok()) die(st.message());
-      ++posted;
+      ++posted, progress = true;
     }
     if (c.errors.load()) die("a write failed");
-    std::this_thread::yield();  // 2-core hosts: leave the workers the CPU (the plugin loops too)
+    if (Clock::now() > deadline) die("engine writes timed out");
+    caller.pass(progress);
   }
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double bytes = static_cast<double>(o.size) * static_cast<double>(total - done_at_t0);
+  const double secs = m.secs(), msgs = static_cast<double>(total) - warm;
+  Row row{size * msgs / secs / 1e9, m.thread_ns() / msgs, m.proc_ns() / msgs, 0};
   (void)eng.deregister(mr.value());
   e->reset();  // close our side first: the peer's exit is then no news to anyone
+  std::free(src);
   peer.channel().send_str("done");
   peer.wait_exit(30000);
-  return bytes / secs / 1e9;
+  return row;
 }
 
-// ---- the plugin -------------------------------------------------------------------------------
+// ---- tables -----------------------------------------------------------------------------------
 
-double plugin_sender_run(const Options& o, std::vector<uint8_t>& handle);
-
-int plugin_device(const Net& net, const Options& o) {
-  if (o.nics <= 1) return 0;
-  VDeviceProps vp{};
-  vp.ndevs = o.nics;
-  int d = -1;
-  if (net->make_vdevice(&d, &vp) != kSuccess) die("makeVDevice");
-  return d;
+std::string fmt_size(size_t s) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%zu", s);
+  return b;
 }
 
-void plugin_receiver(const Options& o, const Channel& ch) {
-  Net net;
-  if (net.init_result != kSuccess || net.devices() < 1) die("plugin init");
-  const int dev = plugin_device(net, o);
-  Handle h;
-  void* listen = nullptr;
-  if (net->listen(net.ctx(), dev, h.bytes, &listen) != kSuccess) die("listen");
-  ch.send(h.bytes, sizeof(h.bytes));
-  void* recv = nullptr;
-  if (accept_comm(net, listen, &recv) != kSuccess) die("accept");
-  Buffer dst(net, recv, o.size * static_cast<size_t>(o.window));
-  std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
-  const int total = o.warmup + o.iters;
-  int posted = 0, completed = 0;
-  while (completed < total) {
-    for (int i = 0; i < o.window; ++i) {
-      if (!reqs[i] && posted < total) {
-        void* data[1] = {dst.data() + static_cast<size_t>(i) * o.size};
-        size_t sizes[1] = {o.size};
-        int tags[1] = {0};
-        void* mhs[1] = {dst.mh()};
-        if (net->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &reqs[i]) != kSuccess) die("irecv");
-        if (reqs[i]) ++posted;
-      }
-      if (reqs[i]) {
-        int done = 0, got[8];
-        if (net->test(reqs[i], &done, got) != kSuccess) die("test recv");
-        if (done) {
-          reqs[i] = nullptr;
-          ++completed;
-        }
+void print_tables(const Options& o, const std::string& caller, const PluginResult& p, const PluginResult* c,
+                  const Row* engine) {
+  std::printf("\n# caller %s: bandwidth, %d in flight (sender isend/test, receiver irecv/test); "
+              "cpu = the proxy thread's CPU per message, proc = the sending process's\n",
+              caller.c_str(), o.window);
+  std::printf("# %-28s", p.name.c_str());
+  if (c) std::printf(" | %-41s", c->name.c_str());
+  std::printf("\n#%11s %7s %9s %8s %8s %8s %8s", "size(B)", "count", "time(us)", "algbw", "cpu(ns)",
+              "recv(ns)", "proc(ns)");
+  if (c) std::printf(" | %9s %8s %8s %8s %8s | %6s", "time(us)", "algbw", "cpu(ns)", "recv(ns)",
+                     "proc(ns)", "ratio");
+  std::printf("\n");
+  for (size_t size : o.sizes) {
+    auto it = p.bw.find(size);
+    if (it == p.bw.end()) continue;
+    const Row& r = it->second;
+    std::printf("%12s %7d %9.2f %8.3f %8.0f %8.0f %8.0f", fmt_size(size).c_str(), bw_iters(o, size),
+                static_cast<double>(size) / (r.gbps * 1e3), r.gbps, r.send_cpu_ns, r.recv_cpu_ns,
+                r.send_proc_ns);
+    if (c) {
+      auto ct = c->bw.find(size);
+      if (ct != c->bw.end()) {
+        const Row& q = ct->second;
+        std::printf(" | %9.2f %8.3f %8.0f %8.0f %8.0f | %6.3f", static_cast<double>(size) / (q.gbps * 1e3),
+                    q.gbps, q.send_cpu_ns, q.recv_cpu_ns, q.send_proc_ns, r.gbps / q.gbps);
       }
     }
-    std::this_thread::yield();
+    std::printf("\n");
   }
-  std::string done;
-  ch.recv_str(&done, 600000);
-  net->close_recv(recv);
-  net->close_listen(listen);
-}
-
-double plugin_sender(const Options& o) {
-  Peer peer({"plugin", opts_args(o)});
-  std::vector<uint8_t> handle;
-  if (!peer.channel().recv(&handle) || handle.size() != kHandleMaxSize) die("plugin peer");
-  const double gbps = plugin_sender_run(o, handle);  // our side closed when this returns
-  peer.channel().send_str("done");
-  peer.wait_exit(30000);
-  return gbps;
-}
-
-double plugin_sender_run(const Options& o, std::vector<uint8_t>& handle) {
-  Net net;
-  if (net.init_result != kSuccess) die("plugin init");
-  const int dev = plugin_device(net, o);
-  void* send = nullptr;
-  if (connect_comm(net, dev, handle.data(), &send) != kSuccess) die("connect");
-  Buffer src(net, send, o.size);
-  std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
-  const int total = o.warmup + o.iters;
-  int posted = 0, completed = 0, completed_at_t0 = 0;
-  Clock::time_point t0;
-  while (completed < total) {
-    if (completed >= o.warmup && t0 == Clock::time_point{}) {
-      t0 = Clock::now();
-      completed_at_t0 = completed;
-    }
-    for (int i = 0; i < o.window; ++i) {
-      if (!reqs[i] && posted < total) {
-        if (net->isend(send, src.data(), o.size, 0, src.mh(), nullptr, &reqs[i]) != kSuccess) die("isend");
-        if (reqs[i]) ++posted;
-      }
-      if (reqs[i]) {
-        int done = 0, got = 0;
-        if (net->test(reqs[i], &done, &got) != kSuccess) die("test send");
-        if (done) {
-          reqs[i] = nullptr;
-          ++completed;
-        }
-      }
-    }
-    std::this_thread::yield();
+  if (engine) {
+    auto it = p.bw.find(o.engine_size);
+    std::printf("# engine write_imm %zu B x %d: %.3f GB/s, cpu %.0f ns/msg, proc %.0f ns/msg",
+                o.engine_size, o.window, engine->gbps, engine->send_cpu_ns, engine->send_proc_ns);
+    if (it != p.bw.end()) std::printf("; %s / engine = %.3f", p.name.c_str(), it->second.gbps / engine->gbps);
+    std::printf("\n");
   }
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  net->close_send(send);
-  return static_cast<double>(o.size) * (total - completed_at_t0) / secs / 1e9;
+  std::printf("# caller %s: ping-pong latency (half a round trip)\n#%11s %7s %9s", caller.c_str(),
+              "size(B)", "count", "lat(us)");
+  if (c) std::printf(" %9s %6s", "cmp(us)", "ratio");
+  std::printf("\n");
+  for (size_t size : o.lat_sizes) {
+    auto it = p.lat_us.find(size);
+    if (it == p.lat_us.end()) continue;
+    std::printf("%12s %7d %9.2f", fmt_size(size).c_str(), o.lat_iters, it->second);
+    if (c) {
+      auto ct = c->lat_us.find(size);
+      if (ct != c->lat_us.end()) std::printf(" %9.2f %6.3f", ct->second, it->second / ct->second);
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
+void print_json(const std::string& caller, const PluginResult& r, const char* role, bool* first) {
+  for (auto& [size, row] : r.bw) {
+    std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"bw\",\"size\":%zu,"
+                "\"GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, row.gbps,
+                row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns);
+    *first = false;
+  }
+  for (auto& [size, us] : r.lat_us) {
+    std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"lat\",\"size\":%zu,"
+                "\"us\":%.3f}",
+                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, us);
+    *first = false;
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   set_test_environment();
-  if (argc > 3 && std::string(argv[1]) == "--ponte-peer") {
-    const Options o = opts_from(argv[3]);
+  if (argc > 2 && std::string(argv[1]) == "--ponte-peer") {
+    const std::string role = argv[2];
     Channel ch(3);
-    if (std::string(argv[2]) == "engine") engine_receiver(o, ch);
-    if (std::string(argv[2]) == "plugin") plugin_receiver(o, ch);
-    return 0;
-  }
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) die(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--size") o.size = parse_bytes(next());
-    else if (a == "--window") o.window = std::stoi(next());
-    else if (a == "--iters") o.iters = std::stoi(next());
-    else if (a == "--warmup") o.warmup = std::stoi(next());
-    else if (a == "--nics") o.nics = std::stoi(next());
-    else if (a == "--repeat") o.repeat = std::stoi(next());
-    else if (a == "--json") o.json = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: plugin-bench [--size 4m] [--window 8] [--iters 200] [--warmup 20] "
-                   "[--nics 1] [--repeat 3] [--json]\n");
-      return 2;
+    if (role == "engine") {
+      engine_receiver(parse_options(argc, argv, 3), ch);
+      return 0;
     }
+    if ((role == "side-a" || role == "side-b") && argc > 4)
+      return run_side(role == "side-a", argv[3], argv[4], parse_options(argc, argv, 5), ch);
+    die("unknown peer role");
   }
-  if (o.window < 1 || o.window > 32 || o.iters < 1 || o.nics < 1 || o.nics > 4 || o.size == 0 ||
-      o.repeat < 1)
-    die("window must be 1..32, nics 1..4, iters and size > 0");
+  const Options o = parse_options(argc, argv, 1);
   const char* backend = getenv("PONTE_BACKEND");
   const char* provider = getenv("PONTE_FABRIC_PROVIDER");
-  // Alternating runs, best of each: on a shared host the slowest runs measure the neighbours.
-  double engine_gbps = 0, plugin_gbps = 0;
-  for (int r = 0; r < o.repeat; ++r) {
-    engine_gbps = std::max(engine_gbps, engine_sender(o));
-    plugin_gbps = std::max(plugin_gbps, plugin_sender(o));
+  if (!o.json)
+    std::printf("# plugin-bench: %s%s%s; PONTE_BACKEND %s, PONTE_FABRIC_PROVIDER %s; window %d; "
+                "best of %d%s runs\n",
+                o.plugin.c_str(), o.compare.empty() ? "" : " vs ", o.compare.c_str(),
+                backend ? backend : "auto", provider ? provider : "-", o.window, o.repeat,
+                o.compare.empty() ? "" : " alternating");
+  bool first = true;
+  if (o.json) std::printf("{\"results\":[");
+  for (const std::string& caller : o.callers) {
+    PluginResult p, c;
+    Row engine;
+    for (int r = 0; r < o.repeat; ++r) {
+      run_plugin(o, o.plugin, caller, &p);
+      if (!o.compare.empty()) run_plugin(o, o.compare, caller, &c);
+      if (o.engine) {
+        Row e = engine_sender(o, Caller{caller == "yield"});
+        if (e.gbps > engine.gbps) engine = e;
+      }
+    }
+    if (o.json) {
+      print_json(caller, p, "plugin", &first);
+      if (!o.compare.empty()) print_json(caller, c, "compare", &first);
+      if (o.engine) {
+        std::printf("%s{\"caller\":\"%s\",\"plugin\":\"engine\",\"test\":\"bw\",\"size\":%zu,"
+                    "\"GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                    first ? "" : ",", caller.c_str(), o.engine_size, engine.gbps,
+                    engine.send_cpu_ns, engine.send_proc_ns);
+        first = false;
+      }
+    } else {
+      print_tables(o, caller, p, o.compare.empty() ? nullptr : &c, o.engine ? &engine : nullptr);
+    }
   }
-  if (o.json) {
-    std::printf("{\"backend\":\"%s\",\"provider\":\"%s\",\"size\":%zu,\"window\":%d,\"nics\":%d,"
-                "\"iters\":%d,\"engine_GBps\":%.3f,\"plugin_GBps\":%.3f,\"ratio\":%.3f}\n",
-                backend ? backend : "", provider ? provider : "", o.size, o.window, o.nics,
-                o.iters, engine_gbps, plugin_gbps, plugin_gbps / engine_gbps);
-    return 0;
-  }
-  std::printf("# ponte plugin-bench: backend %s, provider %s, %d NIC(s), window %d, %d iterations, "
-              "best of %d alternating runs\n",
-              backend ? backend : "auto", provider ? provider : "-", o.nics, o.window, o.iters,
-              o.repeat);
-  std::printf("#%13s %12s %8s %12s %10s\n", "path", "size(B)", "count", "time(us)", "busbw(GB/s)");
-  const double us_e = static_cast<double>(o.size) / (engine_gbps * 1e3);
-  const double us_p = static_cast<double>(o.size) / (plugin_gbps * 1e3);
-  std::printf("%14s %12zu %8d %12.1f %10.3f\n", "engine-write", o.size, o.iters, us_e, engine_gbps);
-  std::printf("%14s %12zu %8d %12.1f %10.3f\n", "plugin-isend", o.size, o.iters, us_p, plugin_gbps);
-  std::printf("# plugin / engine = %.3f\n", plugin_gbps / engine_gbps);
+  if (o.json) std::printf("]}\n");
   return 0;
 }
