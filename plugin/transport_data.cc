@@ -1,0 +1,356 @@
+// The data path: isend / irecv / iflush / test on the receiver-driven protocol (CTS FIFO,
+// write-with-immediate, size records), and the engine callbacks that complete requests.
+#include "plugin/transport_internal.h"
+
+#include <bit>
+
+namespace ponte::plugin {
+
+namespace {
+
+void note_error(Request* r, const Status& st) {
+  uint8_t expected = 0;
+  r->error.compare_exchange_strong(expected, static_cast<uint8_t>(st.code()),
+                                   std::memory_order_acq_rel);
+}
+
+// Notify target of every data-path operation.
+void op_done(void* arg, const Status& st) {
+  auto* r = static_cast<Request*>(arg);
+  CommBase* c = r->comm;
+  if (!st.ok()) note_error(r, st);
+  r->pending.fetch_sub(1, std::memory_order_acq_rel);
+  c->inflight.fetch_sub(1, std::memory_order_acq_rel);  // last touch: the comm may go after this
+}
+
+Status request_error(const Request* r) {
+  const auto code = static_cast<Code>(r->error.load(std::memory_order_acquire));
+  return Status(code, "%s request failed: %s", r->type == ReqType::kRecv ? "receive" : r->type == ReqType::kSend ? "send" : "flush",
+                code_name(code));
+}
+
+Status check_mr(Device* d, void* mhandle, const void* data, size_t len, const MrEntry** out) {
+  auto* m = static_cast<const MrEntry*>(mhandle);
+  if (tag_at(m) != kMagicMr)
+    return Status(Code::kInvalidArgument, "buffer %p: no memory handle (register it first)", data);
+  if (m->dev != d) return Status(Code::kInvalidArgument, "buffer %p: handle of another device", data);
+  if (!m->covers(reinterpret_cast<uintptr_t>(data), len))
+    return Status(Code::kInvalidArgument, "buffer %p+%zu: outside its registration", data, len);
+  *out = m;
+  return Status::Ok();
+}
+
+uint32_t cts_imms(Engine& e, const CommBase* c) {
+  const uint32_t n = e.imms_per_write(Device::group, c->peer, kCtsSlotBytes);
+  return n ? n : 1;
+}
+
+Status post_record(SendComm* c, SendRequest* r) {
+  Device* d = c->dev;
+  LocalSlice src{&c->mrs[1], static_cast<size_t>(r->index) * kRecordBytes, kRecordBytes};
+  r->pending.fetch_add(1, std::memory_order_relaxed);
+  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  Status st = d->engine->write_imm(d->group, c->peer, src, c->records, r->record_dst_offset,
+                                   r->record_imm, Notify{&op_done, r});
+  if (!st.ok()) {
+    r->pending.fetch_sub(1, std::memory_order_relaxed);
+    c->inflight.fetch_sub(1, std::memory_order_relaxed);
+  }
+  return st;
+}
+
+}  // namespace
+
+Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
+  if (!request) return bad("isend: NULL request");
+  *request = nullptr;
+  SendComm* c = as_send(send_comm);
+  if (!c) return bad("isend: not a send comm");
+  Device* d = c->dev;
+  Engine& e = *d->engine;
+  if (e.peer_dead(d->group, c->peer))
+    return Status(Code::kPeerDead, "isend: the receiving peer is dead or unreachable");
+
+  const uint32_t cts_value = imm_value(false, c->comm_id, c->head);
+  if (c->head_n < 0) {  // wait for the receiver's CTS for request `head`
+    const uint32_t need = cts_imms(e, c);
+    if (e.imm_arrived(d->group, cts_value) < need) return Status::Ok();
+    const uint8_t* slot = c->fifo.ptr + (c->head % kMaxRequests) * kCtsSlotBytes;
+    auto n = decode_cts_header(slot, static_cast<uint32_t>(c->head));
+    if (!n.ok()) return Status(Code::kTransport, "isend: corrupt CTS: %s", n.status().message());
+    for (int i = 0; i < n.value(); ++i) {
+      Status st = decode_cts_elem(slot, i, &c->elems[i], &c->regions[i]);
+      if (!st.ok()) return Status(Code::kTransport, "isend: corrupt CTS: %s", st.message());
+    }
+    c->head_n = n.value();
+    c->matched = 0;
+  }
+  int i = 0;
+  for (; i < c->head_n; ++i)
+    if (!(c->matched & (1u << i)) && c->elems[i].tag == tag) break;
+  if (i == c->head_n) return Status::Ok();  // the receiver has not posted this tag yet
+  if (c->free_count == 0) return Status::Ok();
+
+  const size_t len = std::min<uint64_t>(size, c->elems[i].size);  // a larger send is truncated
+  const MrEntry* m = nullptr;
+  if (len > 0) PONTE_RETURN_IF_ERROR(check_mr(d, mhandle, data, len, &m));
+
+  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
+  r->error.store(0, std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->size = len;
+  r->dst = c->regions[i];
+  r->record_unsubmitted = false;
+  r->record_dst_offset = ((c->head % kMaxRequests) * kMaxRecvs + i) * kRecordBytes;
+  r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  SizeRecord rec;
+  rec.size = len;
+  rec.shards = len ? e.imms_per_write(d->group, c->peer, len) : 0;
+  rec.request_number = static_cast<uint32_t>(c->head);
+  encode_record(rec, c->outbox.ptr + static_cast<size_t>(r->index) * kRecordBytes);
+
+  if (len > 0) {
+    const uint32_t data_imm = imm_value(false, c->remote_comm_id, c->head);
+    LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
+    r->pending.store(1, std::memory_order_relaxed);
+    c->inflight.fetch_add(1, std::memory_order_relaxed);
+    Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
+                            Notify{&op_done, r});
+    if (!st.ok()) {
+      r->pending.store(0, std::memory_order_relaxed);
+      c->inflight.fetch_sub(1, std::memory_order_relaxed);
+      if (st.code() == Code::kAgain) return Status::Ok();  // engine queue full: NCCL retries
+      return st;
+    }
+  }
+  Status st = post_record(c, r);
+  if (st.code() == Code::kAgain) {
+    r->record_unsubmitted = true;  // test() posts it
+  } else if (!st.ok()) {
+    note_error(r, st);
+  }
+  --c->free_count;
+  r->in_use = true;
+  c->matched |= 1u << i;
+  if (std::popcount(c->matched) == c->head_n) {  // every buffer of this CTS has its send
+    e.consume_imm(d->group, cts_value, cts_imms(e, c));
+    ++c->head;
+    c->head_n = -1;
+  }
+  *request = r;
+  return Status::Ok();
+}
+
+Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int* tags,
+             void** mhandles, void** request) {
+  if (!request) return bad("irecv: NULL request");
+  *request = nullptr;
+  RecvComm* c = as_recv(recv_comm);
+  if (!c) return bad("irecv: not a recv comm");
+  if (n < 1 || n > kMaxRecvs)
+    return Status(Code::kInvalidArgument, "irecv: %d buffers, must be 1..%d", n, kMaxRecvs);
+  if (!data || !sizes || !mhandles) return bad("irecv: NULL array");
+  Device* d = c->dev;
+  Engine& e = *d->engine;
+  if (e.peer_dead(d->group, c->peer))
+    return Status(Code::kPeerDead, "irecv: the sending peer is dead or unreachable");
+  const uint64_t number = c->next;
+  const size_t slot = number % kMaxRequests;
+  RecvRequest* r = &c->reqs[slot];
+  if (r->in_use) return Status::Ok();  // 32 requests in flight: NCCL retries
+
+  CtsElem elems[kMaxRecvs];
+  for (int i = 0; i < n; ++i) {
+    elems[i].tag = tags ? tags[i] : 0;
+    elems[i].size = sizes[i];
+    if (sizes[i] == 0) continue;  // nothing can land: no region needed (NCCL may pass NULLs)
+    const MrEntry* m = nullptr;
+    PONTE_RETURN_IF_ERROR(check_mr(d, mhandles[i], data[i], sizes[i], &m));
+    elems[i].offset = reinterpret_cast<uintptr_t>(data[i]) - m->start;
+    elems[i].region = m->remote_bytes;
+  }
+  uint8_t* out = c->cts.ptr + slot * kCtsSlotBytes;
+  PONTE_RETURN_IF_ERROR(
+      encode_cts(static_cast<uint32_t>(number), std::span<const CtsElem>(elems, n), out));
+
+  r->error.store(0, std::memory_order_relaxed);
+  r->pending.store(1, std::memory_order_relaxed);
+  r->number = number;
+  r->n = n;
+  r->data_imm = imm_value(false, c->comm_id, number);
+  r->record_imm = imm_value(true, c->comm_id, number);
+  r->records_read = false;
+  r->shards = 0;
+  for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
+  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, kCtsSlotBytes};
+  Status st = e.write_imm(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
+                          imm_value(false, c->remote_comm_id, number),
+                          Notify{&op_done, r});
+  if (!st.ok()) {
+    r->pending.store(0, std::memory_order_relaxed);
+    c->inflight.fetch_sub(1, std::memory_order_relaxed);
+    if (st.code() == Code::kAgain) return Status::Ok();
+    return st;
+  }
+  r->in_use = true;
+  ++c->next;
+  *request = r;
+  return Status::Ok();
+}
+
+Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhandles,
+              void** request) {
+  if (!request) return bad("iflush: NULL request");
+  *request = nullptr;
+  RecvComm* c = as_recv(recv_comm);
+  if (!c) return bad("iflush: not a recv comm");
+  if (n < 1 || n > kMaxRecvs || !data || !sizes || !mhandles) return bad("iflush: bad arguments");
+  // Only data written by the NIC into GPU memory needs a flush: a read from the NIC after the
+  // writes makes them visible to the GPU. Host memory is coherent already.
+  int last = -1;
+  for (int i = 0; i < n; ++i) {
+    auto* m = static_cast<const MrEntry*>(mhandles[i]);
+    if (sizes[i] > 0 && tag_at(m) == kMagicMr && m->kind == MemKind::kCuda) last = i;
+  }
+  if (last < 0) return Status::Ok();
+  Device* d = c->dev;
+  const MrEntry* m = nullptr;
+  PONTE_RETURN_IF_ERROR(check_mr(d, mhandles[last], data[last], sizes[last], &m));
+  Request* f = nullptr;
+  for (Request& q : c->flushes)
+    if (!q.in_use) {
+      f = &q;
+      break;
+    }
+  if (!f) return Status::Ok();
+  if (!d->has_self.load(std::memory_order_acquire)) {  // first flush: a peer for our own group
+    std::lock_guard<std::mutex> lock(d->mu);
+    if (!d->has_self.load(std::memory_order_relaxed)) {
+      auto p = d->engine->connect(d->group, d->engine->address(d->group));
+      if (!p.ok()) return p.status();
+      d->self_peer = p.value();
+      d->has_self.store(true, std::memory_order_release);
+    }
+  }
+  const PeerId self = d->self_peer;
+  const size_t len = std::min<size_t>(static_cast<size_t>(sizes[last]), 4);
+  const size_t off = reinterpret_cast<uintptr_t>(data[last]) - m->start + sizes[last] - len;
+  f->error.store(0, std::memory_order_relaxed);
+  f->pending.store(1, std::memory_order_relaxed);
+  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  Status st = d->engine->read(d->group, self, LocalSlice{&c->mrs[2], 0, len}, m->remote, off,
+                              Notify{&op_done, f});
+  if (!st.ok()) {
+    f->pending.store(0, std::memory_order_relaxed);
+    c->inflight.fetch_sub(1, std::memory_order_relaxed);
+    if (st.code() == Code::kAgain) return Status::Ok();
+    return st;
+  }
+  f->in_use = true;
+  *request = f;
+  return Status::Ok();
+}
+
+Status test(void* request, int* done, size_t* sizes, int* count) {
+  if (!done) return bad("test: NULL done");
+  *done = 0;
+  if (count) *count = 0;
+  auto* r = static_cast<Request*>(request);
+  if (tag_at(r) != kMagicReq || !r->in_use) return bad("test: not an outstanding request");
+  CommBase* c = r->comm;
+  Device* d = c->dev;
+  Engine& e = *d->engine;
+
+  auto finish = [&](const Status& st) {
+    r->in_use = false;
+    if (r->type == ReqType::kSend) {
+      auto* s = static_cast<SendComm*>(c);
+      s->free_list[s->free_count++] = static_cast<SendRequest*>(r)->index;
+    }
+    return st;
+  };
+
+  if (r->error.load(std::memory_order_acquire) != 0) {
+    // Keep the request until the engine has ended every operation it started for it.
+    if (r->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
+    return finish(request_error(r));
+  }
+
+  switch (r->type) {
+    case ReqType::kSend: {
+      auto* s = static_cast<SendRequest*>(r);
+      if (s->record_unsubmitted) {
+        Status st = post_record(static_cast<SendComm*>(c), s);
+        if (st.ok()) {
+          s->record_unsubmitted = false;
+        } else if (st.code() != Code::kAgain) {
+          note_error(s, st);
+          return Status::Ok();
+        }
+      }
+      if (s->record_unsubmitted || s->pending.load(std::memory_order_acquire) != 0) {
+        if (e.peer_dead(d->group, c->peer))
+          note_error(s, Status(Code::kPeerDead, "peer dead"));  // reported once pending drains
+        return Status::Ok();
+      }
+      *done = 1;
+      if (sizes) sizes[0] = s->size;
+      if (count) *count = 1;
+      return finish(Status::Ok());
+    }
+    case ReqType::kFlush: {
+      if (r->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
+      *done = 1;
+      if (sizes) sizes[0] = 0;
+      if (count) *count = 1;
+      return finish(Status::Ok());
+    }
+    case ReqType::kRecv: {
+      auto* q = static_cast<RecvRequest*>(r);
+      auto* rc = static_cast<RecvComm*>(c);
+      if (!q->records_read) {
+        if (e.imm_arrived(d->group, q->record_imm) < static_cast<uint32_t>(q->n)) {
+          if (e.peer_dead(d->group, c->peer)) {
+            note_error(q, Status(Code::kPeerDead, "peer dead"));
+            if (q->pending.load(std::memory_order_acquire) == 0) return finish(request_error(q));
+          }
+          return Status::Ok();
+        }
+        uint32_t shards = 0;
+        const uint8_t* base =
+            rc->records.ptr + (q->number % kMaxRequests) * kMaxRecvs * kRecordBytes;
+        for (int i = 0; i < q->n; ++i) {
+          auto rec = decode_record(base + static_cast<size_t>(i) * kRecordBytes);
+          if (!rec.ok() || rec->request_number != static_cast<uint32_t>(q->number) ||
+              rec->size > q->posted[i]) {
+            note_error(q, Status(Code::kTransport, "corrupt size record"));
+            return Status::Ok();
+          }
+          q->received[i] = rec->size;
+          shards += rec->shards;
+        }
+        q->shards = shards;
+        q->records_read = true;
+      }
+      if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards) {
+        if (e.peer_dead(d->group, c->peer)) {
+          note_error(q, Status(Code::kPeerDead, "peer dead"));
+          if (q->pending.load(std::memory_order_acquire) == 0) return finish(request_error(q));
+        }
+        return Status::Ok();
+      }
+      if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
+      e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));
+      if (q->shards) e.consume_imm(d->group, q->data_imm, q->shards);
+      *done = 1;
+      for (int i = 0; i < q->n; ++i)
+        if (sizes) sizes[i] = q->received[i];
+      if (count) *count = q->n;
+      return finish(Status::Ok());
+    }
+  }
+  return Status(Code::kInternal, "test: unknown request type");
+}
+
+}  // namespace ponte::plugin

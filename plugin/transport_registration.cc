@@ -1,0 +1,72 @@
+// The registration cache: regMr / deregMr, one engine registration per page-aligned range and
+// memory kind per device, reference counted across comms.
+#include "plugin/transport_internal.h"
+
+namespace ponte::plugin {
+
+Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
+  if (!mhandle) return bad("regMr: NULL mhandle");
+  *mhandle = nullptr;
+  CommBase* c = as_comm(comm);
+  if (!c) return bad("regMr: not a send or recv comm");
+  if (!data || size == 0) return bad("regMr: empty buffer");
+  Device* d = c->dev;
+  MemKind kind;
+  if (type == nccl_abi::kPtrHost) {
+    kind = MemKind::kHost;
+  } else if (type == nccl_abi::kPtrCuda) {
+    if (!(d->ptr_support & nccl_abi::kPtrCuda))
+      return Status(Code::kInvalidArgument,
+                    "regMr: device %d (%s) cannot register GPU memory (no GPUDirect)", d->index,
+                    d->name.c_str());
+    kind = MemKind::kCuda;
+  } else {
+    return Status(Code::kInvalidArgument, "regMr: unknown memory type %d", type);
+  }
+  const uintptr_t a = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t start = a / kPage * kPage;
+  const uintptr_t end = (a + size + kPage - 1) / kPage * kPage;
+  std::lock_guard<std::mutex> lock(d->mu);
+  for (MrEntry* m : d->mrs) {
+    if (m->kind == kind && m->covers(a, size)) {
+      ++m->refs;
+      *mhandle = m;
+      return Status::Ok();
+    }
+  }
+  auto m = std::make_unique<MrEntry>();
+  m->dev = d;
+  m->start = start;
+  m->len = end - start;
+  m->kind = kind;
+  auto mr = d->engine->register_memory(d->group, reinterpret_cast<void*>(start), m->len, kind);
+  if (!mr.ok()) return mr.status();
+  m->mr = mr.value();
+  m->remote = m->mr.remote();
+  m->remote_bytes = m->remote.encode();
+  m->refs = 1;
+  d->mrs.push_back(m.get());
+  *mhandle = m.release();
+  return Status::Ok();
+}
+
+Status dereg_mr(void* /*comm: may be closed already; the handle knows its device*/, void* mhandle) {
+  auto* m = static_cast<MrEntry*>(mhandle);
+  if (tag_at(m) != kMagicMr) return bad("deregMr: not a memory handle");
+  Device* d = m->dev;
+  std::lock_guard<std::mutex> lock(d->mu);
+  if (--m->refs > 0) return Status::Ok();
+  for (size_t i = 0; i < d->mrs.size(); ++i) {
+    if (d->mrs[i] == m) {
+      d->mrs[i] = d->mrs.back();
+      d->mrs.pop_back();
+      break;
+    }
+  }
+  Status st = d->engine ? d->engine->deregister(m->mr) : Status::Ok();
+  m->magic = kMagicFreed;
+  delete m;
+  return st;
+}
+
+}  // namespace ponte::plugin

@@ -1,0 +1,180 @@
+// Teardown: closing listen, send and recv comms (freed once the engine has ended their
+// operations), device teardown at release, exit and unload.
+#include "plugin/transport_internal.h"
+
+#include "plugin/log.h"
+
+namespace ponte::plugin {
+
+void delete_comm(CommBase* c) {
+  c->magic = kMagicFreed;
+  if (c->is_send)
+    delete static_cast<SendComm*>(c);
+  else
+    delete static_cast<RecvComm*>(c);
+}
+
+// Frees a comm whose operations have all ended. Call with d->mu held.
+void destroy_comm(Device* d, CommBase* c) {
+  for (auto& mr : c->mrs) {
+    Status st = d->engine->deregister(mr);
+    if (!st.ok()) PONTE_NET_INFO("device %d: deregister failed: %s", d->index, st.message());
+  }
+  c->mrs.clear();
+  if (c->comm_id) {
+    // Deregistered first: nothing can land in the comm's own buffers any more. Data for a
+    // receive left outstanding may still land in NCCL's buffers: such an id waits.
+    d->comm_id_used[c->comm_id] = 0;
+    if (c->dirty)
+      d->comm_id_quarantine[c->comm_id] =
+          Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
+  }
+  d->comms.erase(c);
+  delete_comm(c);
+}
+
+void reap_graveyard(Device* d) {
+  auto& g = d->graveyard;
+  for (size_t i = 0; i < g.size();) {
+    if (g[i]->inflight.load(std::memory_order_acquire) == 0) {
+      destroy_comm(d, g[i]);
+      g[i] = g.back();
+      g.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+// Closes a comm: now when nothing is in flight, else once the engine has ended its operations.
+void retire_comm(Device* d, CommBase* c) {
+  c->magic = kMagicFreed;  // no more calls through NCCL
+  if (c->inflight.load(std::memory_order_acquire) == 0) {
+    destroy_comm(d, c);
+  } else {
+    d->graveyard.push_back(c);
+  }
+  reap_graveyard(d);
+}
+
+void teardown_device(Device* d) {
+  std::lock_guard<std::mutex> lock(d->mu);
+  if (!d->engine) return;
+  // Registrations no operation uses any more go first, while the engine runs.
+  reap_graveyard(d);
+  for (CommBase* c : d->comms) {
+    if (c->inflight.load(std::memory_order_acquire) != 0) continue;
+    for (auto& mr : c->mrs) (void)d->engine->deregister(mr);
+    c->mrs.clear();
+  }
+  for (MrEntry* m : d->mrs) (void)d->engine->deregister(m->mr);
+  if (d->ctrl_free.load() == ~0ull && d->ctrl_mr.id != 0) (void)d->engine->deregister(d->ctrl_mr);
+  // Then the engine: its worker runs no callback after this, so every object can go.
+  d->engine.reset();
+  {
+    Inbox& ib = inbox();
+    std::lock_guard<std::mutex> ilock(ib.mu);
+    for (PendingConnect* pc : d->pending_connects) ib.pending.erase(pc->token);
+    for (ListenComm* l : d->listen_comms) ib.listeners.erase(l->id);
+  }
+  for (PendingConnect* pc : d->pending_connects) {
+    if (pc->comm) d->comms.insert(pc->comm);
+    delete pc;
+  }
+  d->pending_connects.clear();
+  for (ListenComm* l : d->listen_comms) {
+    if (l->accepting) d->comms.insert(l->accepting);
+    l->magic = kMagicFreed;
+    delete l;
+  }
+  d->listen_comms.clear();
+  for (CommBase* c : d->graveyard) d->comms.insert(c);
+  d->graveyard.clear();
+  for (CommBase* c : d->comms) {
+    c->mrs.clear();  // the registrations went with the engine
+    delete_comm(c);
+  }
+  d->comms.clear();
+  for (MrEntry* m : d->mrs) {
+    m->magic = kMagicFreed;
+    delete m;
+  }
+  d->mrs.clear();
+  d->peers.clear();
+  d->has_self.store(false);
+}
+
+// Takes the device table out (under p.mu): the next acquire probes afresh.
+std::vector<std::unique_ptr<Device>> take_devices_locked(Plugin& p) {
+  std::vector<std::unique_ptr<Device>> devices;
+  devices.swap(p.devices);
+  p.probed = false;
+  p.nics.clear();
+  return devices;
+}
+
+void teardown_all() {
+  Plugin& p = plugin();
+  std::vector<std::unique_ptr<Device>> devices;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    devices = take_devices_locked(p);
+  }
+  for (auto& d : devices) teardown_device(d.get());
+}
+
+Status close_listen(void* listen_comm) {
+  auto* l = static_cast<ListenComm*>(listen_comm);
+  if (tag_at(l) != kMagicListen) return bad("closeListen: not a listen comm");
+  Device* d = l->dev;
+  std::lock_guard<std::mutex> lock(d->mu);
+  std::deque<Incoming> left;
+  {
+    Inbox& ib = inbox();
+    std::lock_guard<std::mutex> ilock(ib.mu);
+    ib.listeners.erase(l->id);
+    left.swap(l->queue);
+  }
+  for (const Incoming& in : left) reject(in.via, in.from, in.msg.token, RejectReason::kClosed);
+  if (l->accepting) retire_comm(d, l->accepting);
+  d->listen_comms.erase(l);
+  l->magic = kMagicFreed;
+  delete l;
+  return Status::Ok();
+}
+
+Status close_send(void* send_comm) {
+  SendComm* c = as_send(send_comm);
+  if (!c) return bad("closeSend: not a send comm");
+  Device* d = c->dev;
+  std::lock_guard<std::mutex> lock(d->mu);
+  // CTS slots that arrived and were never matched: take their counts out of the engine.
+  for (int i = 0; i < kSendRequests; ++i) c->dirty = c->dirty || c->reqs[i].in_use;
+  c->dirty = c->dirty || c->head_n >= 0 || c->inflight.load() != 0;
+  retire_comm(d, c);
+  return Status::Ok();
+}
+
+Status close_recv(void* recv_comm) {
+  RecvComm* c = as_recv(recv_comm);
+  if (!c) return bad("closeRecv: not a recv comm");
+  Device* d = c->dev;
+  std::lock_guard<std::mutex> lock(d->mu);
+  for (const RecvRequest& r : c->reqs) c->dirty = c->dirty || r.in_use;
+  c->dirty = c->dirty || c->inflight.load() != 0;
+  retire_comm(d, c);
+  return Status::Ok();
+}
+
+// Unload (dlclose) of the plugin: close whatever is still open (NCCL versions before 2.28 never
+// call finalize).
+// Unload (dlclose) of the plugin: close whatever is still open (NCCL versions before 2.28 never
+// call finalize).
+__attribute__((destructor)) static void ponte_plugin_unload() {
+  try {
+    teardown_all();
+  } catch (...) {
+  }
+}
+
+}  // namespace ponte::plugin
