@@ -13,6 +13,7 @@
 #include "core/engine.h"
 #include "core/group_address.h"
 #include "tests/common/peer_process.h"
+#include "tests/common/setups.h"
 
 using namespace ponte;
 using namespace ponte::test;
@@ -33,26 +34,6 @@ __attribute__((no_sanitize("thread"))) size_t check(const uint8_t* p, size_t len
   for (size_t i = 0; i < len; i++)
     if (p[i] != pattern(seed, pat_off + i)) return i;
   return SIZE_MAX;
-}
-
-struct Setup {
-  std::string name;
-  BackendChoice backend;
-  std::string provider;
-};
-
-void PrintTo(const Setup& s, std::ostream* os) { *os << s.name; }
-
-std::vector<Setup> setups() {
-  const char* b = getenv("PONTE_TEST_BACKEND");
-  if (b && std::string(b) == "verbs") return {{"verbs", BackendChoice::kVerbs, ""}};
-  return {{"tcp_rxm", BackendChoice::kFabric, "tcp;ofi_rxm"}, {"shm", BackendChoice::kFabric, "shm"}};
-}
-
-Setup setup_by_name(const std::string& n) {
-  for (auto& s : setups())
-    if (s.name == n) return s;
-  return setups()[0];
 }
 
 Config test_config(const Setup& s) {

@@ -1,0 +1,435 @@
+// EpBuffer: dispatch/combine on the engine. Per slot (two handles live at most) and phase, one
+// block per (source, destination) pair: a header with counts per local expert, then rows.
+#include "collectives/ep_buffer.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "collectives/comm_impl.h"
+
+namespace ponte {
+
+using coll::imm_value;
+using coll::ImmKind;
+
+namespace {
+constexpr int kSlots = 2;
+enum Phase { kDispatch = 0, kCombine = 1 };
+enum SlotState { kFree, kDispatchSent, kDispatchReceived, kCombineSent };
+constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+// Arena (registered once): for each phase and slot, W incoming blocks (one per source rank) and W
+// outgoing blocks (one per destination; this rank's own is packed straight into its incoming one).
+//
+// Why a remote slot may be rewritten without an extra barrier: rank r writes its dispatch block
+// into rank d's incoming (dispatch, s, r) when it starts a handle in slot s. Slots are taken in the
+// same order on every rank (lowest free; calls are collective), and r takes slot s again only after
+// the previous handle in s finished combine_recv on r, which needed d's combine block for it, which
+// d sends from combine_send only after its dispatch_recv had copied (dispatch, s, r) out. The same
+// holds for combine: d writes r's incoming (combine, s, d) again only in a later handle's
+// combine_send on s, after its dispatch_recv, which needed r's dispatch block of that handle, which
+// r sent only after its combine_recv of the previous handle on s had read (combine, s, d). Counters
+// are consumed exactly by the waits, so immediates of two uses of a slot never add up, and nothing
+// depends on the order in which writes land.
+struct EpBuffer::Impl {
+  EpBuffer* self = nullptr;
+  Communicator::Impl* ci = nullptr;
+  EpConfig cfg;
+  EpShape shape;
+  uint32_t channel = 0;
+  int W = 1, me = 0, L = 0;
+  size_t hdr_bytes = 0, block_bytes[2] = {0, 0}, max_rows = 0;
+  uint8_t* arena = nullptr;
+  size_t arena_len = 0;
+  MemoryRegion mr;
+  std::vector<RemoteRegion> remote;  // every rank's arena
+  Status failed;
+
+  struct Slot {
+    SlotState state = kFree;
+    uint64_t seq = 0;
+    int tokens = 0;
+    std::vector<int32_t> counts;       // [W * L] rows this rank sent per (dst, local expert)
+    std::vector<int32_t> send_map;     // [W * max_rows] t * K + k per (dst, row)
+    std::vector<uint8_t> routed;       // [max_tokens] token has a valid expert
+    std::vector<int32_t> src_info;     // [L * W * max_tokens * 2]
+    std::vector<int32_t> layout;       // [L * W * 2]
+    std::vector<int32_t> recv_counts;  // [W * L]: rows each source sent per local expert
+    std::vector<ScatterTarget> data_targets, hdr_targets;
+    FlagSet sends{4};
+  } slots[kSlots];
+  uint64_t next_seq = 1;
+  std::vector<int32_t> scratch_e, cursor, in_counts;
+  std::vector<float> acc;
+  std::vector<EpBlockHeader> headers;
+  std::vector<uint8_t*> pack_at;
+  FlagSet waits;
+
+  // Blocks are laid out phase-major; dir 0 incoming (by source), 1 outgoing (by destination).
+  size_t block_offset(int phase, int s, int dir, int r) const {
+    size_t off = 0;
+    for (int p = 0; p < phase; p++) off += static_cast<size_t>(kSlots) * 2 * W * block_bytes[p];
+    return off + ((static_cast<size_t>(s) * 2 + dir) * W + r) * block_bytes[phase];
+  }
+  uint8_t* block(int phase, int s, int dir, int r) { return arena + block_offset(phase, s, dir, r); }
+
+  Status check_handle(const EpHandle& h, SlotState want, const char* what) const {
+    if (h.buf_ != self || h.slot_ < 0 || h.slot_ >= kSlots || slots[h.slot_].seq != h.seq_ ||
+        slots[h.slot_].state == kFree)
+      return Status(Code::kInvalidArgument, "%s: the handle is not live (released, failed or of another buffer)", what);
+    if (slots[h.slot_].state != want) {
+      static const char* names[] = {"free", "dispatch sent", "dispatch received", "combine sent"};
+      return Status(Code::kInvalidArgument, "%s: the handle is at '%s'", what, names[slots[h.slot_].state]);
+    }
+    return Status::Ok();
+  }
+  Status check_rows(const EpRows& m, size_t min_rows, const char* what, const char* name) const {
+    if (min_rows > 0 && !m.data) return Status(Code::kInvalidArgument, "%s: %s has no data", what, name);
+    if (m.hidden != static_cast<size_t>(cfg.hidden))
+      return Status(Code::kInvalidArgument, "%s: %s has hidden %zu, the buffer %d", what, name, m.hidden, cfg.hidden);
+    if (m.dtype != cfg.dtype)
+      return Status(Code::kInvalidArgument, "%s: %s is %s, the buffer %s", what, name, dtype_name(m.dtype),
+                    dtype_name(cfg.dtype));
+    if (m.rows < min_rows) return Status(Code::kInvalidArgument, "%s: %s has %zu rows, needs %zu", what, name, m.rows, min_rows);
+    return Status::Ok();
+  }
+  // Ends the handle after a failure of the transport (a dead peer or a timeout fails the buffer).
+  Status fail(EpHandle& h, const Status& st) {
+    slots[h.slot_].state = kFree;
+    slots[h.slot_].seq = 0;
+    h.buf_ = nullptr;
+    if (failed.ok() && (st.code() == Code::kPeerDead || st.code() == Code::kTimeout || st.code() == Code::kTransport ||
+                        !ci->failed.ok()))
+      failed = st;
+    return st;
+  }
+
+  // Posts this rank's blocks of (phase, slot) to every other rank: a small block as one write of
+  // header and rows carrying the header immediate; a large one (several immediates per write: striped)
+  // as a rows write carrying the data immediate plus a header write, the header saying how many.
+  // counts: [W * L], the receiver d's counts at d * L.
+  void post_blocks(int phase, int s, uint32_t seq, const int32_t* counts) {
+    Slot& sl = slots[s];
+    sl.data_targets.clear();
+    sl.hdr_targets.clear();
+    const ImmKind hk = phase == kDispatch ? ImmKind::kDispatchHeader : ImmKind::kCombineHeader;
+    const ImmKind dk = phase == kDispatch ? ImmKind::kDispatchData : ImmKind::kCombineData;
+    for (int d = 0; d < W; d++) {
+      EpBlockHeader& h = headers[d];
+      h.seq = seq;
+      const size_t total = hdr_bytes + h.data_bytes;
+      const size_t off = block_offset(phase, s, d == me ? 0 : 1, d);
+      const size_t dst_off = block_offset(phase, s, 0, me);
+      h.data_imms = 0;
+      // A dead rank gets nothing (a scatter naming it would be refused whole): the others still get
+      // their blocks, so survivors' recv calls fail naming the dead rank, not this one.
+      if (d != me && ci->engine->peer_dead(ci->group, ci->peers[d])) {
+      } else if (d != me && h.data_bytes > 0 && ci->engine->imms_per_write(ci->group, ci->peers[d], total) > 1) {
+        h.data_imms = ci->engine->imms_per_write(ci->group, ci->peers[d], h.data_bytes);
+        sl.data_targets.push_back({ci->peers[d], off + hdr_bytes, h.data_bytes, &remote[d], dst_off + hdr_bytes});
+        sl.hdr_targets.push_back({ci->peers[d], off, hdr_bytes, &remote[d], dst_off});
+      } else if (d != me) {
+        sl.hdr_targets.push_back({ci->peers[d], off, total, &remote[d], dst_off});
+      }
+      write_block_header(arena + off, shape, h, counts + static_cast<size_t>(d) * L);
+    }
+    const uint32_t hv = imm_value(hk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(me));
+    const uint32_t dv = imm_value(dk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(me));
+    if (!sl.data_targets.empty())
+      sl.sends.post(-1, [&](Notify n) { return ci->engine->scatter(ci->group, mr, sl.data_targets, &dv, n); });
+    if (!sl.hdr_targets.empty())
+      sl.sends.post(-1, [&](Notify n) { return ci->engine->scatter(ci->group, mr, sl.hdr_targets, &hv, n); });
+  }
+
+  // Waits for every rank's block of (phase, slot) and this rank's own writes; checks each header.
+  // in_counts [W * L] gets each source's counts.
+  Status receive_blocks(int phase, int s, uint32_t seq, const char* what) {
+    Slot& sl = slots[s];
+    const ImmKind hk = phase == kDispatch ? ImmKind::kDispatchHeader : ImmKind::kCombineHeader;
+    const ImmKind dk = phase == kDispatch ? ImmKind::kDispatchData : ImmKind::kCombineData;
+    const uint8_t ph = phase == kDispatch ? kEpPhaseDispatch : kEpPhaseCombine;
+    for (int r : ci->others)
+      waits.post(r, [&](Notify n) {
+        return ci->engine->expect_imm(ci->group, imm_value(hk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(r)),
+                                      1, ci->peers[r], n);
+      });
+    Status st = waits.wait(*ci, what);
+    for (int r = 0; r < W && st.ok(); r++) {
+      Status hs = read_block_header(block(phase, s, 0, r), shape, ph, seq, &headers[r], &in_counts[static_cast<size_t>(r) * L]);
+      if (!hs.ok()) st = ci->rank_error(r, hs, what);
+      else if (r != me && headers[r].data_imms > 0)
+        waits.post(r, [&](Notify n) {
+          return ci->engine->expect_imm(ci->group, imm_value(dk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(r)),
+                                        headers[r].data_imms, ci->peers[r], n);
+        });
+    }
+    Status ds = waits.wait(*ci, what);
+    Status ss = sl.sends.wait(*ci, what);
+    if (st.ok()) st = ds;
+    if (st.ok()) st = ss;
+    return st;
+  }
+};
+
+EpBuffer::EpBuffer() : impl_(std::make_unique<Impl>()) {}
+
+EpBuffer::~EpBuffer() {
+  Impl& im = *impl_;
+  for (auto& sl : im.slots) sl.sends.wait(*im.ci, "EpBuffer teardown").ok();  // writes still reading the arena
+  if (im.mr.id) im.ci->engine->deregister(im.mr).ok();
+  free(im.arena);
+}
+
+bool EpHandle::valid() const {
+  return buf_ && slot_ >= 0 && slot_ < kSlots && buf_->impl_->slots[slot_].seq == seq_ &&
+         buf_->impl_->slots[slot_].state != kFree;
+}
+std::span<const int32_t> EpHandle::src_info() const {
+  if (!valid()) return {};
+  return buf_->impl_->slots[slot_].src_info;
+}
+std::span<const int32_t> EpHandle::layout_range() const {
+  if (!valid()) return {};
+  return buf_->impl_->slots[slot_].layout;
+}
+int EpHandle::num_tokens() const { return valid() ? buf_->impl_->slots[slot_].tokens : 0; }
+
+const EpConfig& EpBuffer::config() const { return impl_->cfg; }
+int EpBuffer::local_experts() const { return impl_->L; }
+size_t EpBuffer::recv_rows_per_expert() const { return static_cast<size_t>(impl_->W) * impl_->cfg.max_tokens; }
+int EpBuffer::live_handles() const {
+  int n = 0;
+  for (auto& sl : impl_->slots) n += sl.state != kFree;
+  return n;
+}
+
+Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpConfig& cfg) {
+  Communicator::Impl& ci = comm.impl();
+  PONTE_RETURN_IF_ERROR(ci.failed);
+  const int W = ci.world;
+  if (cfg.num_experts <= 0 || cfg.num_experts % W != 0)
+    return Status(Code::kInvalidArgument, "EpBuffer: %d experts over %d ranks (a positive multiple is needed)", cfg.num_experts, W);
+  if (cfg.max_tokens <= 0 || cfg.hidden <= 0 || cfg.topk <= 0)
+    return Status(Code::kInvalidArgument, "EpBuffer: max_tokens %d, hidden %d, topk %d must be positive", cfg.max_tokens,
+                  cfg.hidden, cfg.topk);
+  if (cfg.dtype != DType::kFloat32 && cfg.dtype != DType::kBFloat16)
+    return Status(Code::kInvalidArgument, "EpBuffer: unknown dtype %u", static_cast<unsigned>(cfg.dtype));
+  if (cfg.extra_bytes_per_row != 0)
+    return Status(Code::kInvalidArgument, "EpBuffer: extra bytes per row (fp8 scales) are not supported yet");
+  if (static_cast<int64_t>(cfg.max_tokens) * W > INT32_MAX / 2 || static_cast<int64_t>(cfg.max_tokens) * cfg.topk > INT32_MAX)
+    return Status(Code::kInvalidArgument, "EpBuffer: max_tokens %d too large", cfg.max_tokens);
+  if (ci.next_channel >= static_cast<uint32_t>(coll::kMaxChannels - 1))
+    return Status(Code::kResource, "EpBuffer: a communicator carries at most %d EpBuffers", coll::kMaxChannels - 2);
+  std::unique_ptr<EpBuffer> b(new EpBuffer());
+  Impl& im = *b->impl_;
+  im.self = b.get();
+  im.ci = &ci;
+  im.cfg = cfg;
+  im.W = W;
+  im.me = ci.rank;
+  im.shape = make_ep_shape(W, cfg.num_experts, cfg.max_tokens, cfg.hidden, cfg.topk, cfg.dtype, cfg.extra_bytes_per_row);
+  im.L = im.shape.local_experts;
+  im.channel = ci.next_channel++;
+  im.hdr_bytes = ep_header_bytes(im.L);
+  im.max_rows = max_rows_per_block(im.shape);
+  im.block_bytes[kDispatch] = align_up(dispatch_block_bytes(im.shape), 64);
+  im.block_bytes[kCombine] = align_up(combine_block_bytes(im.shape), 64);
+  im.arena_len = static_cast<size_t>(kSlots) * 2 * W * (im.block_bytes[0] + im.block_bytes[1]);
+  im.arena = static_cast<uint8_t*>(aligned_alloc(4096, align_up(im.arena_len, 4096)));
+  if (!im.arena) return Status(Code::kResource, "EpBuffer: no memory for a %zu-byte arena", im.arena_len);
+  PONTE_ASSIGN_OR_RETURN(im.mr, ci.engine->register_memory(ci.group, im.arena, im.arena_len));
+  const size_t per_expert = static_cast<size_t>(W) * cfg.max_tokens;
+  for (auto& sl : im.slots) {
+    sl.counts.assign(static_cast<size_t>(W) * im.L, 0);
+    sl.send_map.assign(static_cast<size_t>(W) * im.max_rows, -1);
+    sl.routed.assign(cfg.max_tokens, 0);
+    sl.src_info.assign(static_cast<size_t>(im.L) * per_expert * 2, -1);
+    sl.layout.assign(static_cast<size_t>(im.L) * W * 2, 0);
+    sl.recv_counts.assign(static_cast<size_t>(W) * im.L, 0);
+    sl.data_targets.reserve(W);
+    sl.hdr_targets.reserve(W);
+  }
+  im.scratch_e.assign(cfg.num_experts, 0);
+  im.cursor.assign(static_cast<size_t>(W) * im.L, 0);
+  im.in_counts.assign(static_cast<size_t>(W) * im.L, 0);
+  im.acc.assign(static_cast<size_t>(cfg.max_tokens) * cfg.hidden, 0.0f);
+  im.headers.assign(W, {});
+  im.pack_at.assign(W, nullptr);
+  im.waits.reserve(2 * static_cast<size_t>(W) + 2);
+  std::vector<std::vector<uint8_t>> all;
+  PONTE_RETURN_IF_ERROR(ci.exchange(im.mr.remote().encode(), &all));
+  im.remote.resize(W);
+  for (int r = 0; r < W; r++) {
+    auto rr = RemoteRegion::decode(all[r]);
+    if (!rr.ok()) return Status(Code::kInvalidArgument, "EpBuffer: rank %d's arena: %s", r, rr.status().message());
+    if (rr->len != im.arena_len)
+      return Status(Code::kInvalidArgument, "EpBuffer: rank %d's arena is %llu bytes, this rank's %zu (configs differ)", r,
+                    static_cast<unsigned long long>(rr->len), im.arena_len);
+    im.remote[r] = *rr;
+  }
+  return b;
+}
+
+Result<EpHandle> EpBuffer::dispatch_send(const EpRows& x, std::span<const int64_t> topk_idx) {
+  Impl& im = *impl_;
+  const char* what = "dispatch_send";
+  PONTE_RETURN_IF_ERROR(im.failed);
+  PONTE_RETURN_IF_ERROR(im.ci->failed);
+  if (x.rows > static_cast<size_t>(im.cfg.max_tokens))
+    return Status(Code::kInvalidArgument, "%s: %zu tokens, the buffer takes at most %d", what, x.rows, im.cfg.max_tokens);
+  const int T = static_cast<int>(x.rows);
+  PONTE_RETURN_IF_ERROR(im.check_rows(x, x.rows, what, "x"));
+  if (topk_idx.size() != x.rows * im.cfg.topk)
+    return Status(Code::kInvalidArgument, "%s: topk_idx has %zu entries, expected %zu (T %d x K %d)", what, topk_idx.size(),
+                  x.rows * im.cfg.topk, T, im.cfg.topk);
+  PONTE_RETURN_IF_ERROR(check_routing(im.shape, topk_idx.data(), T, im.scratch_e.data()));
+  int s = -1;
+  for (int i = 0; i < kSlots && s < 0; i++)
+    if (im.slots[i].state == kFree) s = i;
+  if (s < 0)
+    return Status(Code::kResource, "%s: %d handles are live already (each lives until its combine_recv); a third is refused",
+                  what, kSlots);
+  Impl::Slot& sl = im.slots[s];
+  const uint64_t seq = im.next_seq++;
+  sl.tokens = T;
+  count_routes(im.shape, topk_idx.data(), T, sl.counts.data());
+  for (int t = 0; t < T; t++) {
+    uint8_t any = 0;
+    for (int k = 0; k < im.cfg.topk; k++) any |= topk_idx[static_cast<size_t>(t) * im.cfg.topk + k] >= 0;
+    sl.routed[t] = any;
+  }
+  for (int d = 0; d < im.W; d++) im.pack_at[d] = im.block(kDispatch, s, d == im.me ? 0 : 1, d) + im.hdr_bytes;
+  pack_dispatch(im.shape, x.data, nullptr, topk_idx.data(), T, sl.counts.data(), im.pack_at.data(), im.cursor.data(),
+                sl.send_map.data());
+  const size_t stride = dispatch_row_stride(im.shape);
+  for (int d = 0; d < im.W; d++) {
+    EpBlockHeader& h = im.headers[d];
+    h.phase = kEpPhaseDispatch;
+    h.rows = 0;
+    for (int l = 0; l < im.L; l++) h.rows += static_cast<uint32_t>(sl.counts[static_cast<size_t>(d) * im.L + l]);
+    h.data_bytes = h.rows * stride;
+  }
+  sl.state = kDispatchSent;
+  sl.seq = seq;
+  im.post_blocks(kDispatch, s, static_cast<uint32_t>(seq), sl.counts.data());
+  EpHandle h;
+  h.buf_ = this;
+  h.slot_ = s;
+  h.seq_ = seq;
+  return h;
+}
+
+Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int32_t> recv_count) {
+  Impl& im = *impl_;
+  const char* what = "dispatch_recv";
+  PONTE_RETURN_IF_ERROR(im.check_handle(h, kDispatchSent, what));
+  const size_t per_expert = recv_rows_per_expert();
+  PONTE_RETURN_IF_ERROR(im.check_rows(recv_x, static_cast<size_t>(im.L) * per_expert, what, "recv_x"));
+  if (recv_count.size() < static_cast<size_t>(im.L))
+    return Status(Code::kInvalidArgument, "%s: recv_count has %zu entries, needs %d", what, recv_count.size(), im.L);
+  Impl::Slot& sl = im.slots[h.slot_];
+  Status st = im.receive_blocks(kDispatch, h.slot_, static_cast<uint32_t>(sl.seq), what);
+  if (!st.ok()) return im.fail(h, st);
+  sl.recv_counts = im.in_counts;
+  std::fill(sl.src_info.begin(), sl.src_info.end(), -1);
+  for (int l = 0; l < im.L; l++) {
+    int32_t b = 0;
+    for (int r = 0; r < im.W; r++) {
+      const int32_t c = sl.recv_counts[static_cast<size_t>(r) * im.L + l];
+      sl.layout[2 * (static_cast<size_t>(l) * im.W + r)] = b;
+      sl.layout[2 * (static_cast<size_t>(l) * im.W + r) + 1] = c;
+      b += c;
+    }
+    recv_count[l] = b;  // <= W * max_tokens: each source sends at most max_tokens rows per expert
+  }
+  for (int r = 0; r < im.W; r++) {
+    for (int l = 0; l < im.L; l++) im.cursor[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
+    unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, r) + im.hdr_bytes,
+                          &sl.recv_counts[static_cast<size_t>(r) * im.L], r, im.cursor.data(), recv_x.data, nullptr,
+                          sl.src_info.data());
+  }
+  sl.state = kDispatchReceived;
+  return Status::Ok();
+}
+
+Status EpBuffer::combine_send(EpHandle& h, const EpRows& y) {
+  Impl& im = *impl_;
+  const char* what = "combine_send";
+  PONTE_RETURN_IF_ERROR(im.check_handle(h, kDispatchReceived, what));
+  PONTE_RETURN_IF_ERROR(im.failed);
+  PONTE_RETURN_IF_ERROR(im.ci->failed);
+  PONTE_RETURN_IF_ERROR(im.check_rows(y, static_cast<size_t>(im.L) * recv_rows_per_expert(), what, "y"));
+  Impl::Slot& sl = im.slots[h.slot_];
+  const size_t stride = combine_row_stride(im.shape);
+  for (int r = 0; r < im.W; r++) {
+    uint8_t* blk = im.block(kCombine, h.slot_, r == im.me ? 0 : 1, r);
+    EpBlockHeader& hd = im.headers[r];
+    hd.phase = kEpPhaseCombine;
+    hd.rows = pack_combine_block(im.shape, y.data, r, sl.layout.data(), blk + im.hdr_bytes);
+    hd.data_bytes = hd.rows * stride;
+  }
+  sl.state = kCombineSent;
+  im.post_blocks(kCombine, h.slot_, static_cast<uint32_t>(sl.seq), sl.recv_counts.data());
+  return Status::Ok();
+}
+
+Status EpBuffer::combine_recv(EpHandle& h, std::span<const float> topk_weights, const EpRows& out, bool accumulate) {
+  Impl& im = *impl_;
+  const char* what = "combine_recv";
+  PONTE_RETURN_IF_ERROR(im.check_handle(h, kCombineSent, what));
+  Impl::Slot& sl = im.slots[h.slot_];
+  const size_t T = static_cast<size_t>(sl.tokens);
+  if (topk_weights.size() != T * im.cfg.topk)
+    return Status(Code::kInvalidArgument, "%s: topk_weights has %zu entries, expected %zu (T %zu x K %d)", what,
+                  topk_weights.size(), T * im.cfg.topk, T, im.cfg.topk);
+  PONTE_RETURN_IF_ERROR(im.check_rows(out, T, what, "out"));
+  Status st = im.receive_blocks(kCombine, h.slot_, static_cast<uint32_t>(sl.seq), what);
+  // Each block must answer exactly the rows this rank sent that rank.
+  for (int d = 0; d < im.W && st.ok(); d++)
+    for (int l = 0; l < im.L; l++)
+      if (im.in_counts[static_cast<size_t>(d) * im.L + l] != sl.counts[static_cast<size_t>(d) * im.L + l]) {
+        st = im.ci->rank_error(d, Status(Code::kInvalidArgument, "combine block answers %d rows of local expert %d, %d were sent",
+                                         im.in_counts[static_cast<size_t>(d) * im.L + l], l,
+                                         sl.counts[static_cast<size_t>(d) * im.L + l]), what);
+        break;
+      }
+  if (!st.ok()) return im.fail(h, st);
+  std::fill(im.acc.begin(), im.acc.begin() + static_cast<ptrdiff_t>(T * im.cfg.hidden), 0.0f);
+  for (int d = 0; d < im.W; d++)
+    reduce_combine_block(im.shape, im.block(kCombine, h.slot_, 0, d) + im.hdr_bytes, im.headers[d].rows,
+                         &sl.send_map[static_cast<size_t>(d) * im.max_rows], topk_weights.data(), im.acc.data());
+  finish_combine(im.shape, im.acc.data(), sl.routed.data(), static_cast<int>(T), out.data, accumulate);
+  sl.state = kFree;
+  sl.seq = 0;
+  h.buf_ = nullptr;
+  return Status::Ok();
+}
+
+Result<EpHandle> EpBuffer::dispatch(const EpRows& x, std::span<const int64_t> topk_idx, const EpRows& recv_x,
+                                    std::span<int32_t> recv_count) {
+  // Check the outputs first, so that bad ones fail before anything is sent.
+  PONTE_RETURN_IF_ERROR(impl_->check_rows(recv_x, static_cast<size_t>(impl_->L) * recv_rows_per_expert(), "dispatch", "recv_x"));
+  if (recv_count.size() < static_cast<size_t>(impl_->L))
+    return Status(Code::kInvalidArgument, "dispatch: recv_count has %zu entries, needs %d", recv_count.size(), impl_->L);
+  PONTE_ASSIGN_OR_RETURN(EpHandle h, dispatch_send(x, topk_idx));
+  PONTE_RETURN_IF_ERROR(dispatch_recv(h, recv_x, recv_count));
+  return h;
+}
+
+Status EpBuffer::combine(EpHandle& h, const EpRows& y, std::span<const float> topk_weights, const EpRows& out,
+                         bool accumulate) {
+  if (h.valid()) {
+    const size_t T = static_cast<size_t>(h.num_tokens());
+    if (topk_weights.size() != T * impl_->cfg.topk)
+      return Status(Code::kInvalidArgument, "combine: topk_weights has %zu entries, expected %zu", topk_weights.size(),
+                    T * impl_->cfg.topk);
+    PONTE_RETURN_IF_ERROR(impl_->check_rows(out, T, "combine", "out"));
+  }
+  PONTE_RETURN_IF_ERROR(combine_send(h, y));
+  return combine_recv(h, topk_weights, out, accumulate);
+}
+
+}  // namespace ponte

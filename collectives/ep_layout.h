@@ -1,0 +1,117 @@
+// ep_layout: the byte layout of dispatch/combine blocks and the plain pack / count / unpack / reduce
+// functions over it, kept free of any transport so the CUDA kernels (collectives/cuda/) mirror them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "core/status.h"
+
+namespace ponte {
+
+enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1 };
+size_t dtype_bytes(DType d);
+const char* dtype_name(DType d);
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Everything the layout depends on. Rows of x/y are row_bytes = hidden * dtype bytes; a dispatched
+// row also carries extra_bytes (fp8 scales later) and an 8-byte tag (token, k).
+struct EpShape {
+  int world = 1;
+  int experts = 0;
+  int local_experts = 0;  // L = experts / world
+  int max_tokens = 0;
+  int hidden = 0;
+  int topk = 0;
+  DType dtype = DType::kBFloat16;
+  size_t row_bytes = 0;
+  size_t extra_bytes = 0;
+};
+EpShape make_ep_shape(int world, int experts, int max_tokens, int hidden, int topk, DType dtype,
+                      size_t extra_bytes);
+
+// Block: [header][rows]. The header (ep_header_bytes(L), a multiple of 64):
+//   u8 version (1), u8 phase ('D' dispatch, 'C' combine), u16 header bytes, u32 rows, u32 seq,
+//   u32 data_imms (immediates of the separate data write; 0: rows came inline with the header),
+//   u64 data bytes, u32 L, u32 reserved, then L u32 counts (rows per local expert of the receiver,
+//   in row order: the rows of expert 0 first). Dispatch rows: i32 token, i32 k, row bytes, extra
+//   bytes, padded to dispatch_row_stride. Combine rows: row bytes padded to combine_row_stride, in
+//   the order of the dispatch block they answer.
+constexpr uint8_t kEpBlockVersion = 1;
+constexpr uint8_t kEpPhaseDispatch = 'D';
+constexpr uint8_t kEpPhaseCombine = 'C';
+constexpr size_t kEpHeaderFixed = 32;
+constexpr size_t kEpTagBytes = 8;
+
+size_t ep_header_bytes(int local_experts);
+size_t dispatch_row_stride(const EpShape& s);
+size_t combine_row_stride(const EpShape& s);
+// Most rows one rank sends to one rank: each token's K copies, and at most max_tokens per expert.
+size_t max_rows_per_block(const EpShape& s);
+size_t dispatch_block_bytes(const EpShape& s);
+size_t combine_block_bytes(const EpShape& s);
+
+struct EpBlockHeader {
+  uint8_t phase = 0;
+  uint32_t rows = 0;
+  uint32_t seq = 0;
+  uint32_t data_imms = 0;
+  uint64_t data_bytes = 0;
+};
+
+void write_block_header(uint8_t* p, const EpShape& s, const EpBlockHeader& h, const int32_t* counts);
+// Rejects a wrong version, phase, seq, header size or L, counts that do not add up to rows or
+// exceed max_tokens, and data bytes that do not match the rows. counts_out: L entries.
+Status read_block_header(const uint8_t* p, const EpShape& s, uint8_t phase, uint32_t seq,
+                         EpBlockHeader* h, int32_t* counts_out);
+
+// Routing checks before anything is sent: every index in [-1, E), and at most max_tokens rows from
+// this rank to any one expert (so expert blocks of W * max_tokens rows always suffice).
+// expert_rows: scratch of E entries.
+Status check_routing(const EpShape& s, const int64_t* topk_idx, int tokens, int32_t* expert_rows);
+
+// counts [W * L]: rows this rank sends to rank d for its local expert l, at counts[d * L + l].
+void count_routes(const EpShape& s, const int64_t* topk_idx, int tokens, int32_t* counts);
+
+// Packs every routed (t, k) into the data area of its destination's block (blocks[d] points at the
+// first row), grouped by local expert in expert order. send_map [W * max_rows_per_block] records,
+// per destination and row, t * K + k (what combine needs). cursor: scratch of W * L entries.
+void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const int64_t* topk_idx, int tokens,
+                   const int32_t* counts, uint8_t* const* blocks, int32_t* cursor, int32_t* send_map);
+
+// Copies the rows of one source's block (counts per local expert as in its header) into recv_x
+// (L blocks of W * max_tokens rows), expert l's rows starting at row begins[l] of its block, and
+// records (src, token) in src_info ([L, W * max_tokens, 2]). recv_extra may be null.
+void unpack_dispatch_block(const EpShape& s, const uint8_t* rows, const int32_t* counts, int src,
+                           const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info);
+
+// Gathers the rows of y answering source src's dispatch block, in that block's order, using
+// layout_range ([L, W, 2] of (begin, count)) into rows (combine stride). Returns the row count.
+uint32_t pack_combine_block(const EpShape& s, const void* y, int src, const int32_t* layout_range, uint8_t* rows);
+
+// acc[t] += w[t, k] * row for each combine row from one destination; send_map_d: that
+// destination's t * K + k per row. acc: [max_tokens, H] float32.
+void reduce_combine_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* send_map_d,
+                          const float* topk_weights, float* acc);
+
+// out[t] = acc[t] (or out[t] += acc[t] with accumulate), converted to the dtype. Tokens with
+// routed[t] == 0 (no valid expert) get zeros, or are left untouched with accumulate.
+void finish_combine(const EpShape& s, const float* acc, const uint8_t* routed, int tokens, void* out,
+                    bool accumulate);
+
+}  // namespace ponte
