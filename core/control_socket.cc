@@ -18,8 +18,6 @@
 
 namespace ponte {
 
-static constexpr uint32_t kMaxControlMessage = 1 << 20;
-
 std::string ControlEndpoint::to_string() const {
   char buf[64];
   inet_ntop(AF_INET, ip, buf, sizeof(buf));
@@ -86,6 +84,22 @@ Result<int> control_listen(const Config& cfg, ControlEndpoint* advertised) {
   return fd;
 }
 
+Result<size_t> take_frame(std::span<const uint8_t> in, uint32_t max_payload, std::span<const uint8_t>* payload) {
+  WireReader r(in);
+  uint32_t len = r.u32();
+  if (!r.ok()) return size_t{0};
+  if (len > max_payload) return Status(Code::kPeerDead, "control message of %u bytes: not a ponte peer", len);
+  if (r.remaining() < len) return size_t{0};
+  *payload = r.bytes(len);
+  return 4 + static_cast<size_t>(len);
+}
+
+void append_frame(std::span<const uint8_t> payload, std::vector<uint8_t>* out) {
+  WireWriter w(*out);
+  w.u32(static_cast<uint32_t>(payload.size()));
+  w.bytes(payload);
+}
+
 ControlSocket::~ControlSocket() { close(); }
 
 void ControlSocket::close() {
@@ -144,11 +158,7 @@ Result<bool> ControlSocket::poll_connected() {
 
 Status ControlSocket::send_message(std::span<const uint8_t> payload) {
   if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
-  std::vector<uint8_t> frame;
-  WireWriter w(frame);
-  w.u32(static_cast<uint32_t>(payload.size()));
-  out_.insert(out_.end(), frame.begin(), frame.end());
-  out_.insert(out_.end(), payload.begin(), payload.end());
+  append_frame(payload, &out_);
   return flush();
 }
 
@@ -172,16 +182,13 @@ Result<bool> ControlSocket::recv_message(std::vector<uint8_t>* msg) {
   uint8_t buf[4096];
   for (;;) {
     // Deliver a complete message first.
-    if (in_.size() >= 4) {
-      WireReader r(in_);
-      uint32_t len = r.u32();
-      if (len > kMaxControlMessage)
-        return Status(Code::kPeerDead, "control message of %u bytes: not a ponte peer", len);
-      if (in_.size() >= 4 + static_cast<size_t>(len)) {
-        msg->assign(in_.begin() + 4, in_.begin() + 4 + len);
-        in_.erase(in_.begin(), in_.begin() + 4 + len);
-        return true;
-      }
+    std::span<const uint8_t> payload;
+    auto took = take_frame(in_, kMaxControlMessage, &payload);
+    if (!took.ok()) return took.status();
+    if (*took > 0) {
+      msg->assign(payload.begin(), payload.end());
+      in_.erase(in_.begin(), in_.begin() + static_cast<long>(*took));
+      return true;
     }
     ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
     if (n == 0) return Status(Code::kPeerDead, "peer closed its control connection (process exited?)");

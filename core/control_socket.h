@@ -23,6 +23,15 @@ struct ControlEndpoint {
 // PONTE_SOCKET_IFNAME's IPv4, else the first non-loopback IPv4 interface, else 127.0.0.1).
 Result<int> control_listen(const Config& cfg, ControlEndpoint* advertised);
 
+// Framing of the control connection: u32 length (little endian) + payload, at most
+// kMaxControlMessage payload bytes.
+constexpr uint32_t kMaxControlMessage = 1 << 20;
+// Looks for one whole frame at the start of in: returns the bytes it spans (0 when more must
+// arrive first) and sets *payload; an error when the length field exceeds max_payload.
+Result<size_t> take_frame(std::span<const uint8_t> in, uint32_t max_payload, std::span<const uint8_t>* payload);
+// Appends the frame of payload to out.
+void append_frame(std::span<const uint8_t> payload, std::vector<uint8_t>* out);
+
 // One framed, non-blocking connection: messages are u32 length + payload.
 class ControlSocket {
  public:

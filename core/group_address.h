@@ -28,6 +28,7 @@ struct GroupAddress {
   // u8 family, u16 port, 16 ip, u64 max_msg, then nics x (u16 len, bytes, u64 imm_rkey, u64 imm_base).
   std::vector<uint8_t> encode() const;
   static Result<GroupAddress> decode(std::span<const uint8_t> bytes);
+  friend bool operator==(const GroupAddress&, const GroupAddress&) = default;
 };
 
 }  // namespace ponte

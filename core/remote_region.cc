@@ -41,9 +41,11 @@ Result<RemoteRegion> RemoteRegion::decode(std::span<const uint8_t> bytes) {
   rr.addr = r.u64();
   rr.len = r.u64();
   rr.nics = r.u8();
-  r.skip(11);
+  auto pad = r.bytes(11);
   if (!r.ok() || rr.nics == 0 || rr.nics > kMaxNicsPerGroup)
     return Status(Code::kInvalidArgument, "remote region: bad NIC count %u", rr.nics);
+  for (uint8_t b : pad)
+    if (b != 0) return Status(Code::kInvalidArgument, "remote region: nonzero padding (a newer format?)");
   if (total != encoded_size(rr.nics))
     return Status(Code::kInvalidArgument, "remote region: %u NICs need %zu bytes, got %u", rr.nics, encoded_size(rr.nics), total);
   for (int i = 0; i < rr.nics; i++) {

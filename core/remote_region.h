@@ -25,6 +25,7 @@ struct RemoteRegion {
   std::vector<uint8_t> encode() const;
   static Result<RemoteRegion> decode(std::span<const uint8_t> bytes);
   static constexpr size_t encoded_size(int nics) { return 32 + 16 * static_cast<size_t>(nics); }
+  friend bool operator==(const RemoteRegion&, const RemoteRegion&) = default;
 };
 
 }  // namespace ponte

@@ -42,6 +42,16 @@ Status check_header(std::span<const uint8_t> b, uint8_t kind, size_t min_len, co
   return Status::Ok();
 }
 
+// A connection message fills what arrived exactly: trailing bytes are a format this side does
+// not know.
+Status check_message(std::span<const uint8_t> b, uint8_t kind, size_t min_len, const char* what) {
+  PONTE_RETURN_IF_ERROR(check_header(b, kind, min_len, what));
+  const size_t len = get<uint16_t>(b.data() + 2);
+  if (len != b.size())
+    return Status(Code::kInvalidArgument, "%s: length %zu but %zu bytes arrived", what, len, b.size());
+  return Status::Ok();
+}
+
 // A RemoteRegion embedded with a u16 (messages) or u8 (CTS) length prefix; with a name, it must
 // hold at least min_len bytes.
 Result<RemoteRegion> decode_region(std::span<const uint8_t> b, const char* what,
@@ -87,6 +97,8 @@ Result<ListenHandle> decode_handle(const uint8_t* in) {
   if (h.listen_id == 0 || h.nonce == 0)
     return Status(Code::kInvalidArgument, "listen handle: zero listen id or nonce");
   const size_t len = get<uint16_t>(in + 2);
+  for (size_t i = len; i < kHandleStageOffset; ++i)
+    if (in[i] != 0) return Status(Code::kInvalidArgument, "listen handle: nonzero byte %zu after the address", i);
   h.address = std::span<const uint8_t>(in + kHandleHeader, len - kHandleHeader);
   return h;
 }
@@ -153,7 +165,7 @@ Result<MsgKind> peek_kind(std::span<const uint8_t> b) {
 }
 
 Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_header(b, 'C', 32, "CONNECT"));
+  PONTE_RETURN_IF_ERROR(check_message(b, 'C', 32, "CONNECT"));
   const size_t len = get<uint16_t>(b.data() + 2);
   ConnectMsg m;
   m.listen_id = get<uint32_t>(b.data() + 4);
@@ -177,7 +189,7 @@ Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
 }
 
 Result<AcceptMsg> decode_accept(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_header(b, 'A', 22, "ACCEPT"));
+  PONTE_RETURN_IF_ERROR(check_message(b, 'A', 22, "ACCEPT"));
   const size_t len = get<uint16_t>(b.data() + 2);
   AcceptMsg m;
   m.token = get<uint64_t>(b.data() + 4);
@@ -188,15 +200,22 @@ Result<AcceptMsg> decode_accept(std::span<const uint8_t> b) {
                   rlen, len);
   if (m.receiver_comm_id == 0 || m.receiver_comm_id > kMaxCommId)
     return Status(Code::kInvalidArgument, "ACCEPT: bad comm id %u", m.receiver_comm_id);
+  if (get<uint32_t>(b.data() + 16) != 0)
+    return Status(Code::kInvalidArgument, "ACCEPT: reserved field is %u", get<uint32_t>(b.data() + 16));
   PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT", "record", kRecordArea));
   return m;
 }
 
 Result<RejectMsg> decode_reject(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_header(b, 'R', 16, "REJECT"));
+  PONTE_RETURN_IF_ERROR(check_message(b, 'R', 16, "REJECT"));
+  if (b.size() != 16) return Status(Code::kInvalidArgument, "REJECT: %zu bytes, expected 16", b.size());
   RejectMsg m;
   m.token = get<uint64_t>(b.data() + 4);
-  m.reason = static_cast<RejectReason>(get<uint32_t>(b.data() + 12));
+  const uint32_t reason = get<uint32_t>(b.data() + 12);
+  if (reason < static_cast<uint32_t>(RejectReason::kNoListener) ||
+      reason > static_cast<uint32_t>(RejectReason::kNoResources))
+    return Status(Code::kInvalidArgument, "REJECT: unknown reason %u", reason);
+  m.reason = static_cast<RejectReason>(reason);
   return m;
 }
 
@@ -251,7 +270,10 @@ Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* 
     return Status(Code::kInvalidArgument, "CTS: region length %zu too long", rlen);
   elem->region = std::span<const uint8_t>(e + kCtsElemHeader, rlen);
   if (rlen == 0) {  // a zero-byte buffer without a registration: nothing may land in it
-    if (elem->size != 0) return Status(Code::kInvalidArgument, "CTS: buffer without a region");
+    if (elem->size != 0 || elem->offset != 0)
+      return Status(Code::kInvalidArgument, "CTS: buffer without a region at offset %llu, %llu bytes",
+                    static_cast<unsigned long long>(elem->offset),
+                    static_cast<unsigned long long>(elem->size));
     *region = RemoteRegion{};
     return Status::Ok();
   }

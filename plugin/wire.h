@@ -100,15 +100,18 @@ struct ConnectMsg {
   uint32_t sender_comm_id = 0;
   RemoteRegion fifo;
   std::vector<uint8_t> reply_address;  // empty unless the handle was a bootstrap one
+  friend bool operator==(const ConnectMsg&, const ConnectMsg&) = default;
 };
 struct AcceptMsg {
   uint64_t token = 0;
   uint32_t receiver_comm_id = 0;
   RemoteRegion records;
+  friend bool operator==(const AcceptMsg&, const AcceptMsg&) = default;
 };
 struct RejectMsg {
   uint64_t token = 0;
   RejectReason reason = RejectReason::kNoListener;
+  friend bool operator==(const RejectMsg&, const RejectMsg&) = default;
 };
 
 constexpr size_t kMaxMsgSize = 512;
@@ -161,6 +164,7 @@ struct SizeRecord {
   uint64_t size = 0;
   uint32_t shards = 0;
   uint32_t request_number = 0;
+  friend bool operator==(const SizeRecord&, const SizeRecord&) = default;
 };
 void encode_record(const SizeRecord& r, uint8_t* out);
 Result<SizeRecord> decode_record(const uint8_t* in);

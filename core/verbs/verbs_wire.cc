@@ -46,6 +46,14 @@ Status check_header(std::span<const uint8_t> b, uint8_t tag, uint8_t version, si
   return Status::Ok();
 }
 
+// Padding must be zero: a field this version does not know is not silently dropped.
+Status check_zero(std::span<const uint8_t> b, size_t from, size_t to, const char* what) {
+  for (size_t i = from; i < to; ++i) {
+    if (b[i] != 0) return Status(Code::kInvalidArgument, "verbs %s: nonzero padding at byte %zu", what, i);
+  }
+  return Status::Ok();
+}
+
 bool valid_link_layer(uint8_t v) {
   return v == static_cast<uint8_t>(LinkLayer::kInfiniBand) ||
          v == static_cast<uint8_t>(LinkLayer::kEthernet);
@@ -70,6 +78,7 @@ std::array<uint8_t, VerbsAddress::kSize> VerbsAddress::encode() const {
 
 Result<VerbsAddress> VerbsAddress::decode(std::span<const uint8_t> b) {
   PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kSize, "NIC address"));
+  PONTE_RETURN_IF_ERROR(check_zero(b, 10, 12, "NIC address"));
   VerbsAddress a;
   if (!valid_link_layer(b[4])) {
     return Status(Code::kInvalidArgument, "verbs NIC address: bad link layer %u", b[4]);
@@ -101,6 +110,7 @@ std::array<uint8_t, ConnectBlob::kSize> ConnectBlob::encode() const {
 
 Result<ConnectBlob> ConnectBlob::decode(std::span<const uint8_t> b) {
   PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kSize, "connect blob"));
+  PONTE_RETURN_IF_ERROR(check_zero(b, 32, kSize, "connect blob"));
   ConnectBlob c;
   c.qpn = get32(&b[4]);
   c.psn = get32(&b[8]);

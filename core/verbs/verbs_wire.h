@@ -27,6 +27,7 @@ struct VerbsAddress {
 
   std::array<uint8_t, kSize> encode() const;
   static Result<VerbsAddress> decode(std::span<const uint8_t> bytes);
+  friend bool operator==(const VerbsAddress&, const VerbsAddress&) = default;
 };
 
 // What Nic::connect_blob() returns: one side of an RC connection. The engine carries it over its
@@ -45,6 +46,7 @@ struct ConnectBlob {
 
   std::array<uint8_t, kSize> encode() const;
   static Result<ConnectBlob> decode(std::span<const uint8_t> bytes);
+  friend bool operator==(const ConnectBlob&, const ConnectBlob&) = default;
 };
 
 }  // namespace ponte::verbs

@@ -1,0 +1,254 @@
+// ponte-fuzz-seeds: writes the fuzz targets' seed inputs from ponte's real encoders
+// (`write DIR`), or checks that the committed ones still match them (`check DIR`), so a format
+// change that forgets its seeds fails a test. DIR is fuzz/corpus; one folder per target.
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstring>
+#include <dirent.h>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/control_messages.h"
+#include "core/control_socket.h"
+#include "core/group_address.h"
+#include "core/remote_region.h"
+#include "core/verbs/verbs_wire.h"
+#include "plugin/wire.h"
+
+using namespace ponte;
+using Bytes = std::vector<uint8_t>;
+using Seeds = std::map<std::string, Bytes>;  // "target/seed-name" -> bytes
+
+namespace {
+
+void must_ok(Status st) {
+  if (!st.ok()) {
+    fprintf(stderr, "ponte-fuzz-seeds: encoder failed: %s\n", st.message());
+    exit(2);
+  }
+}
+
+template <typename T>
+T must(Result<T> r) {
+  if (!r.ok()) {
+    fprintf(stderr, "ponte-fuzz-seeds: encoder failed: %s\n", r.status().message());
+    exit(2);
+  }
+  return std::move(r).value();
+}
+
+Bytes verbs_address(verbs::LinkLayer ll) {
+  verbs::VerbsAddress a;
+  a.link_layer = ll;
+  a.port = 1;
+  a.lid = ll == verbs::LinkLayer::kInfiniBand ? 0x1234 : 0;
+  a.mtu = 5;
+  a.gid_index = 3;
+  for (int i = 0; i < 16; i++) a.gid[i] = static_cast<uint8_t>(i == 10 || i == 11 ? 0xff : i < 10 ? 0 : 100 + i);
+  auto e = a.encode();
+  return Bytes(e.begin(), e.end());
+}
+
+Bytes connect_blob() {
+  verbs::ConnectBlob b;
+  b.qpn = 0x11a2;
+  b.psn = 0x5eed42;
+  b.mtu = 5;
+  b.link_layer = verbs::LinkLayer::kEthernet;
+  for (int i = 0; i < 16; i++) b.gid[i] = static_cast<uint8_t>(i * 7);
+  auto e = b.encode();
+  return Bytes(e.begin(), e.end());
+}
+
+// A group address as an engine builds it: nics NICs whose endpoint addresses are nic_addr.
+Bytes group_address(BackendKind backend, int nics, const Bytes& nic_addr) {
+  GroupAddress a;
+  a.engine_nonce = 0x9e3779b97f4a7c15ull;
+  a.group = 0;
+  a.backend = backend;
+  a.ip_family = 4;
+  const uint8_t ip[4] = {127, 0, 0, 1};
+  memcpy(a.ip, ip, 4);
+  a.port = 40123;
+  a.max_msg = 1ull << 30;
+  for (int i = 0; i < nics; i++) {
+    Bytes addr = nic_addr;
+    addr.back() = static_cast<uint8_t>(addr.back() + i);
+    a.nic_addrs.push_back(addr);
+    a.imm_rkey.push_back(0x1000 + i);
+    a.imm_base.push_back(backend == BackendKind::kVerbs ? 0x7f0000001000ull : 0);
+  }
+  return a.encode();
+}
+
+Bytes sockaddr_in_bytes() {  // what tcp;ofi_rxm names an endpoint by
+  return Bytes{2, 0, 0x9c, 0x40, 127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1};
+}
+
+Bytes remote_region(int nics, uint64_t len) {
+  RemoteRegion r;
+  r.addr = 0x7f1234560000ull;
+  r.len = len;
+  r.nics = static_cast<uint8_t>(nics);
+  for (int i = 0; i < nics; i++) {
+    r.rkey[i] = 0xabc0 + i;
+    r.remote_base[i] = i % 2 ? r.addr : 0;
+  }
+  return r.encode();
+}
+
+Bytes hello(const Bytes& address, std::vector<Bytes> blobs) {
+  HelloMsg m;
+  m.id_for_receiver = 3;
+  m.epoch = 1;
+  m.address = address;
+  m.blobs = std::move(blobs);
+  return must(encode_hello(m));
+}
+
+Seeds all_seeds() {
+  Seeds s;
+  const Bytes fabric2 = group_address(BackendKind::kFabric, 2, sockaddr_in_bytes());
+  const Bytes efa4 = group_address(BackendKind::kFabric, 4, Bytes(32, 0xfe));
+  const Bytes verbs1 = group_address(BackendKind::kVerbs, 1, verbs_address(verbs::LinkLayer::kEthernet));
+  s["group_address/seed-fabric-tcp-2nics"] = fabric2;
+  s["group_address/seed-fabric-efa-4nics"] = efa4;
+  s["group_address/seed-verbs-roce-1nic"] = verbs1;
+
+  s["remote_region/seed-1nic"] = remote_region(1, 4096);
+  s["remote_region/seed-4nics"] = remote_region(4, 1 << 20);
+  s["remote_region/seed-16nics"] = remote_region(16, 64);
+
+  const Bytes h_fabric = hello(fabric2, {Bytes(), Bytes()});
+  const Bytes h_verbs = hello(verbs1, {connect_blob()});
+  s["control_messages/seed-hello-fabric"] = h_fabric;
+  s["control_messages/seed-hello-verbs"] = h_verbs;
+  s["control_messages/seed-bye"] = encode_bye();
+
+  Bytes stream;
+  append_frame(h_verbs, &stream);
+  append_frame(encode_bye(), &stream);
+  s["control_frame/seed-hello-bye"] = stream;
+  Bytes one;
+  append_frame(h_fabric, &one);
+  s["control_frame/seed-hello"] = one;
+  s["control_frame/seed-oversized"] = Bytes{0x00, 0x00, 0x20, 0x00, 1, 1};  // 2 MiB announced
+
+  s["verbs_wire/seed-address-roce"] = verbs_address(verbs::LinkLayer::kEthernet);
+  s["verbs_wire/seed-address-ib"] = verbs_address(verbs::LinkLayer::kInfiniBand);
+  s["verbs_wire/seed-connect-blob"] = connect_blob();
+
+  for (bool bootstrap : {false, true}) {
+    const Bytes addr = bootstrap ? group_address(BackendKind::kFabric, 1, Bytes(32, 0xfe))
+                                 : group_address(BackendKind::kFabric, 1, sockaddr_in_bytes());
+    plugin::ListenHandle h;
+    h.listen_id = 5;
+    h.nonce = 0x0123456789abcdefull;
+    h.bootstrap = bootstrap;
+    h.address = addr;
+    Bytes out(plugin::kHandleSize);
+    must_ok(plugin::encode_handle(h, out.data()));
+    s[bootstrap ? "plugin_handle/seed-bootstrap" : "plugin_handle/seed-own-group"] = out;
+  }
+
+  uint8_t msg[plugin::kMaxMsgSize];
+  plugin::ConnectMsg c;
+  c.listen_id = 5;
+  c.listen_nonce = 0x0123456789abcdefull;
+  c.token = 77;
+  c.sender_comm_id = 12;
+  c.fifo = must(RemoteRegion::decode(remote_region(2, plugin::kFifoBytes)));
+  s["plugin_messages/seed-connect"] = Bytes(msg, msg + must(plugin::encode_connect(c, msg)));
+  c.reply_address = efa4;
+  s["plugin_messages/seed-connect-bootstrap"] = Bytes(msg, msg + must(plugin::encode_connect(c, msg)));
+  plugin::AcceptMsg a;
+  a.token = 77;
+  a.receiver_comm_id = 9;
+  a.records = must(RemoteRegion::decode(remote_region(2, plugin::kRecordArea)));
+  s["plugin_messages/seed-accept"] = Bytes(msg, msg + must(plugin::encode_accept(a, msg)));
+  plugin::RejectMsg r;
+  r.token = 77;
+  r.reason = plugin::RejectReason::kNoResources;
+  s["plugin_messages/seed-reject"] = Bytes(msg, msg + plugin::encode_reject(r, msg));
+
+  // plugin_cts: u32 expected request number, then the slot.
+  const Bytes buf_region = remote_region(2, 1 << 20);
+  for (int n : {1, plugin::kMaxRecvs}) {
+    std::vector<plugin::CtsElem> elems(n);
+    for (int i = 0; i < n; i++) {
+      elems[i].offset = 4096u * i;
+      elems[i].size = i == 1 ? 0 : 4096;
+      elems[i].tag = 100 + i;
+      elems[i].region = buf_region;
+    }
+    Bytes slot(4 + plugin::kCtsSlotBytes);
+    const uint32_t req = 41;
+    memcpy(slot.data(), &req, 4);
+    must_ok(plugin::encode_cts(req, elems, slot.data() + 4));
+    s[n == 1 ? "plugin_cts/seed-cts-1" : "plugin_cts/seed-cts-8"] = slot;
+  }
+  Bytes rec(4 + plugin::kRecordBytes);
+  plugin::encode_record({123456, 3, 41}, rec.data() + 4);
+  s["plugin_cts/seed-record"] = rec;
+  return s;
+}
+
+Bytes read_file(const std::string& path, bool* ok) {
+  std::ifstream f(path, std::ios::binary);
+  *ok = static_cast<bool>(f);
+  return Bytes(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3 || (strcmp(argv[1], "write") != 0 && strcmp(argv[1], "check") != 0)) {
+    fprintf(stderr, "usage: %s write|check CORPUS_DIR\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[2];
+  const bool write = strcmp(argv[1], "write") == 0;
+  const Seeds seeds = all_seeds();
+  int bad = 0;
+  std::map<std::string, bool> targets;
+  for (const auto& [name, bytes] : seeds) {
+    const std::string path = dir + "/" + name;
+    targets[name.substr(0, name.find('/'))] = true;
+    if (write) {
+      mkdir(dir.c_str(), 0755);
+      mkdir((dir + "/" + name.substr(0, name.find('/'))).c_str(), 0755);
+      std::ofstream f(path, std::ios::binary | std::ios::trunc);
+      f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      if (!f) {
+        fprintf(stderr, "ponte-fuzz-seeds: cannot write %s\n", path.c_str());
+        return 1;
+      }
+      continue;
+    }
+    bool ok = false;
+    if (read_file(path, &ok) != bytes || !ok) {
+      fprintf(stderr, "ponte-fuzz-seeds: %s is missing or differs from what the encoder writes now\n", path.c_str());
+      bad++;
+    }
+  }
+  if (!write) {  // a seed no encoder writes any more is stale
+    for (const auto& [target, _] : targets) {
+      DIR* d = opendir((dir + "/" + target).c_str());
+      if (!d) continue;
+      while (dirent* e = readdir(d)) {
+        if (strncmp(e->d_name, "seed-", 5) == 0 && !seeds.count(target + "/" + e->d_name)) {
+          fprintf(stderr, "ponte-fuzz-seeds: %s/%s/%s is not written by any encoder\n", dir.c_str(), target.c_str(), e->d_name);
+          bad++;
+        }
+      }
+      closedir(d);
+    }
+    if (bad) fprintf(stderr, "ponte-fuzz-seeds: run `ponte-fuzz-seeds write fuzz/corpus` and commit the result\n");
+    else printf("ponte-fuzz-seeds: %zu seeds match the encoders\n", seeds.size());
+  }
+  return bad ? 1 : 0;
+}
