@@ -20,6 +20,10 @@ namespace ponte::test {
 // inline, not static: each test binary uses a part of them.
 inline namespace scenarios {
 
+// Operation timeout of the scenarios: it only bounds how long a broken run takes to fail. Eight
+// ranks on two shared cores (and under TSan) need more than the engine tests' 5 s for a handshake.
+constexpr uint32_t kTimeoutMs = 20000;
+
 CommunicatorOptions comm_options(const Setup& s, uint32_t timeout_ms) {
   CommunicatorOptions o;
   o.engine.config = global_config();
