@@ -23,6 +23,20 @@ void op_done(void* arg, const Status& st) {
   c->inflight.fetch_sub(1, std::memory_order_acq_rel);  // last touch: the comm may go after this
 }
 
+// Notify target of an operation that uses a user registration (Request::held): releases it first.
+void held_done(void* arg, const Status& st) {
+  auto* r = static_cast<Request*>(arg);
+  r->held->users.fetch_sub(1, std::memory_order_acq_rel);  // deregMr may free it after this
+  op_done(arg, st);
+}
+
+// Starts using m for one engine operation of r; undone by held_done or release_held.
+void hold(Request* r, const MrEntry* m) {
+  m->users.fetch_add(1, std::memory_order_acq_rel);
+  r->held = m;
+}
+void release_held(Request* r) { r->held->users.fetch_sub(1, std::memory_order_acq_rel); }
+
 Status request_error(const Request* r) {
   const auto code = static_cast<Code>(r->error.load(std::memory_order_acquire));
   return Status(code, "%s request failed: %s", r->type == ReqType::kRecv ? "receive" : r->type == ReqType::kSend ? "send" : "flush",
@@ -114,9 +128,11 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
     r->pending.store(1, std::memory_order_relaxed);
     c->inflight.fetch_add(1, std::memory_order_relaxed);
+    hold(r, m);
     Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
-                            Notify{&op_done, r});
+                            Notify{&held_done, r});
     if (!st.ok()) {
+      release_held(r);
       r->pending.store(0, std::memory_order_relaxed);
       c->inflight.fetch_sub(1, std::memory_order_relaxed);
       if (st.code() == Code::kAgain) return Status::Ok();  // engine queue full: NCCL retries
@@ -239,9 +255,11 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
   f->error.store(0, std::memory_order_relaxed);
   f->pending.store(1, std::memory_order_relaxed);
   c->inflight.fetch_add(1, std::memory_order_relaxed);
+  hold(f, m);
   Status st = d->engine->read(d->group, self, LocalSlice{&c->mrs[2], 0, len}, m->remote, off,
-                              Notify{&op_done, f});
+                              Notify{&held_done, f});
   if (!st.ok()) {
+    release_held(f);
     f->pending.store(0, std::memory_order_relaxed);
     c->inflight.fetch_sub(1, std::memory_order_relaxed);
     if (st.code() == Code::kAgain) return Status::Ok();

@@ -76,6 +76,9 @@ struct MrEntry {
   size_t len = 0;       // multiple of the page size
   MemKind kind = MemKind::kHost;
   int refs = 0;
+  // Engine operations reading or writing through mr right now (a send's data write, a flush's
+  // read). deregMr waits for them: after it returns nothing touches the memory or this entry.
+  mutable std::atomic<uint32_t> users{0};
   MemoryRegion mr;
   RemoteRegion remote;
   std::vector<uint8_t> remote_bytes;  // remote.encode(), copied into CTS entries
@@ -96,6 +99,7 @@ struct Request {
   CommBase* comm = nullptr;
   std::atomic<uint32_t> pending{0};  // engine operations not yet completed
   std::atomic<uint8_t> error{0};     // first failure (a Code), 0 = none
+  const MrEntry* held = nullptr;     // the registration its data operation uses (see MrEntry::users)
 };
 
 struct SendRequest : Request {

@@ -2,6 +2,8 @@
 // memory kind per device, reference counted across comms.
 #include "plugin/transport_internal.h"
 
+#include <thread>
+
 namespace ponte::plugin {
 
 Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
@@ -54,7 +56,7 @@ Status dereg_mr(void* /*comm: may be closed already; the handle knows its device
   auto* m = static_cast<MrEntry*>(mhandle);
   if (tag_at(m) != kMagicMr) return bad("deregMr: not a memory handle");
   Device* d = m->dev;
-  std::lock_guard<std::mutex> lock(d->mu);
+  std::unique_lock<std::mutex> lock(d->mu);
   if (--m->refs > 0) return Status::Ok();
   for (size_t i = 0; i < d->mrs.size(); ++i) {
     if (d->mrs[i] == m) {
@@ -63,8 +65,21 @@ Status dereg_mr(void* /*comm: may be closed already; the handle knows its device
       break;
     }
   }
+  m->magic = kMagicFreed;  // no new request can name it
+  if (m->users.load(std::memory_order_acquire) != 0) {
+    // Operations still read or write through it (NCCL deregisters mid-transfer when it aborts):
+    // as ibv_dereg_mr on a NIC, nothing may touch the memory once this returns. They end within
+    // the engine's operation timeout; the device stays usable meanwhile (mu is released).
+    lock.unlock();
+    const auto deadline = Clock::now() + std::chrono::milliseconds(global_config().timeout_ms) +
+                          std::chrono::seconds(5);
+    while (m->users.load(std::memory_order_acquire) != 0 && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lock.lock();
+    if (m->users.load(std::memory_order_acquire) != 0)  // leaked rather than freed under the NIC
+      return Status(Code::kTimeout, "deregMr: operations on %p did not end", reinterpret_cast<void*>(m->start));
+  }
   Status st = d->engine ? d->engine->deregister(m->mr) : Status::Ok();
-  m->magic = kMagicFreed;
   delete m;
   return st;
 }

@@ -442,6 +442,73 @@ TEST_F(PluginTest, CloseWithWorkOutstanding) {
   close_pair(net(), &q);
 }
 
+// NCCL's abort: 32 receives and 32 sends of 1 MiB in flight, every buffer deregistered and freed,
+// the comms closed, then a new connection; 10 rounds. The requests may fail (they are never tested
+// again, as NCCL abandons them); the plugin must not touch the freed registrations or memory
+// (ASan), and the next connection must come up (issue 10, item 1).
+void abort_rounds(const Net& net, int rounds, std::string* error) {
+  constexpr int kBuffers = 32;
+  for (int round = 0; round < rounds && error->empty(); ++round) {
+    Pair p;
+    if (connect_pair(net, 0, 0, &p, /*keep_listen=*/true) != kSuccess) {
+      *error = "round " + std::to_string(round) + ": connect";
+      close_pair(net, &p);
+      return;
+    }
+    std::vector<uint8_t*> sbuf(kBuffers), rbuf(kBuffers);
+    std::vector<void*> smh(kBuffers), rmh(kBuffers);
+    for (int i = 0; i < kBuffers; ++i) {
+      sbuf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+      rbuf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+      std::memset(sbuf[i], i, kMiB);
+      if (net->reg_mr(p.send, sbuf[i], kMiB, kPtrHost, &smh[i]) != kSuccess ||
+          net->reg_mr(p.recv, rbuf[i], kMiB, kPtrHost, &rmh[i]) != kSuccess)
+        *error = "regMr";
+    }
+    for (int i = 0; i < kBuffers && error->empty(); ++i) {
+      void* req = nullptr;
+      void* data[1] = {rbuf[i]};
+      size_t sizes[1] = {kMiB};
+      int tags[1] = {i};
+      void* mhs[1] = {rmh[i]};
+      if (post_recv(net, p.recv, 1, data, sizes, tags, mhs, &req) != kSuccess) *error = "irecv";
+    }
+    for (int i = 0; i < kBuffers && error->empty(); ++i) {
+      void* req = nullptr;
+      if (post_send(net, p.send, sbuf[i], kMiB, i, smh[i], &req) != kSuccess) *error = "isend";
+    }
+    for (int i = 0; i < kBuffers; ++i) {
+      if (smh[i]) net->dereg_mr(p.send, smh[i]);
+      if (rmh[i]) net->dereg_mr(p.recv, rmh[i]);
+      std::free(sbuf[i]);
+      std::free(rbuf[i]);
+    }
+    close_pair(net, &p);
+  }
+}
+
+TEST_F(PluginTest, DeregisterAndCloseWithThirtyTwoSendsQueuedTenRounds) {
+  std::string error;
+  abort_rounds(net(), 10, &error);
+  EXPECT_TRUE(error.empty()) << error;
+  Pair q;
+  ASSERT_OK(connect_pair(net(), 0, 0, &q));
+  transfer(q, 3 * kMiB + 1, 3 * kMiB + 1, 41);
+  close_pair(net(), &q);
+}
+
+TEST_F(PluginTest, DeregisterAndCloseWithSendsQueuedFromFourThreads) {
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { abort_rounds(net(), 10, &errors[t]); });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) EXPECT_TRUE(errors[t].empty()) << "thread " << t << ": " << errors[t];
+  Pair q;
+  ASSERT_OK(connect_pair(net(), 0, 0, &q));
+  transfer(q, kMiB + 3, kMiB + 3, 42);
+  close_pair(net(), &q);
+}
+
 TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
   // Device 0 fused with itself: the engine opens the NIC twice, and writes above the stripe
   // threshold are split over both.
@@ -726,6 +793,47 @@ TEST(PluginProcesses, SenderKilledMidStreamFailsTheReceiver) {
   net->close_listen(listen);
 }
 
+// Item 1's abort across two processes: each round the peer posts 32 receives of 1 MiB, we post 32
+// sends, deregister and free every buffer and close; the peer does the same with its receives
+// outstanding; then both connect again. 10 rounds; the last connection moves verified data.
+TEST(PluginProcesses, TwoProcessesDeregisterAndCloseMidTransferTenRounds) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  constexpr int kRounds = 10, kBuffers = 32;
+  Peer peer({"abort_recv", std::to_string(kRounds)});
+  ASSERT_TRUE(peer.started());
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<uint8_t> handle;
+    ASSERT_TRUE(peer.channel().recv(&handle)) << "round " << round << ": no handle";
+    void* send = nullptr;
+    ASSERT_EQ(connect_comm(net, 0, handle.data(), &send), kSuccess) << "round " << round;
+    std::vector<uint8_t*> buf(kBuffers);
+    std::vector<void*> mh(kBuffers);
+    for (int i = 0; i < kBuffers; ++i) {
+      buf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+      std::memset(buf[i], i, kMiB);
+      ASSERT_OK(net->reg_mr(send, buf[i], kMiB, kPtrHost, &mh[i]));
+    }
+    for (int i = 0; i < kBuffers; ++i) {
+      void* req = nullptr;
+      ASSERT_EQ(post_send(net, send, buf[i], kMiB, i, mh[i], &req), kSuccess) << "round " << round;
+    }
+    for (int i = 0; i < kBuffers; ++i) {
+      EXPECT_OK(net->dereg_mr(send, mh[i]));
+      std::free(buf[i]);
+    }
+    EXPECT_OK(net->close_send(send));
+    ASSERT_TRUE(peer.channel().send_str("abort"));
+  }
+  std::vector<uint8_t> handle;
+  ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle for the final transfer";
+  void* send = nullptr;
+  ASSERT_OK(connect_comm(net, 0, handle.data(), &send));
+  ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, send, {kMiB + 5}, peer));
+  net->close_send(send);
+}
+
 TEST(PluginProcesses, V8TableMovesData) {
   // v8 (NCCL 2.19-2.21) takes a reference that is never finalized: run it in its own process.
   Peer peer({"v8"});
@@ -737,6 +845,23 @@ TEST(PluginProcesses, V8TableMovesData) {
 }
 
 // ---- peer roles (this binary started with --ponte-peer) ---------------------------------------
+
+// One receive of s bytes (tag 0) checked against fill(seed); "" or what went wrong.
+std::string receive_verified(const Net& net, void* recv, size_t s, uint32_t seed) {
+  Buffer dst(net, recv, s);
+  void* data[1] = {dst.data()};
+  size_t cap[1] = {s};
+  int tags[1] = {0};
+  void* mhs[1] = {dst.mh()};
+  void* req = nullptr;
+  int got[8] = {-1};
+  if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess ||
+      wait_request(net, req, got) != kSuccess)
+    return "receive of " + std::to_string(s);
+  if (got[0] != static_cast<int>(s) || mismatch(dst.data(), s, seed) != SIZE_MAX)
+    return "data of " + std::to_string(s);
+  return "";
+}
 
 int peer_main(int argc, char** argv) {
   set_test_environment();
@@ -837,21 +962,52 @@ int peer_main(int argc, char** argv) {
     }
     uint32_t seed = 1;
     for (size_t s : split_sizes(argv[3])) {
-      Buffer dst(net, recv, s);
-      void* data[1] = {dst.data()};
-      size_t cap[1] = {s};
-      int tags[1] = {0};
-      void* mhs[1] = {dst.mh()};
-      void* req = nullptr;
-      int got[8] = {-1};
-      if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess ||
-          wait_request(net, req, got) != kSuccess)
-        return fail("receive of " + std::to_string(s));
-      if (got[0] != static_cast<int>(s) || mismatch(dst.data(), s, seed++) != SIZE_MAX)
-        return fail("data of " + std::to_string(s));
+      const std::string error = receive_verified(net, recv, s, seed++);
+      if (!error.empty()) return fail(error);
     }
     net->close_recv(recv);
     net->close_listen(listen);
+    ch.send_str("ok");
+    return 0;
+  }
+  if (role == "abort_recv") {  // see TwoProcessesDeregisterAndCloseMidTransferTenRounds
+    constexpr int kBuffers = 32;
+    const int rounds = std::atoi(argv[3]);
+    for (int round = 0; round <= rounds; ++round) {
+      Handle h;
+      void* listen = nullptr;
+      if (net->listen(net.ctx(), 0, h.bytes, &listen) != kSuccess) return fail("listen");
+      ch.send(h.bytes, sizeof(h.bytes));
+      void* recv = nullptr;
+      if (accept_comm(net, listen, &recv) != kSuccess) return fail("accept " + std::to_string(round));
+      if (round == rounds) {  // the final, verified transfer
+        const std::string error = receive_verified(net, recv, kMiB + 5, 1);
+        if (!error.empty()) return fail("final " + error);
+        net->close_recv(recv);
+        net->close_listen(listen);
+        break;
+      }
+      std::vector<uint8_t*> buf(kBuffers);
+      std::vector<void*> mh(kBuffers);
+      for (int i = 0; i < kBuffers; ++i) {
+        buf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+        if (net->reg_mr(recv, buf[i], kMiB, kPtrHost, &mh[i]) != kSuccess) return fail("regMr");
+        void* data[1] = {buf[i]};
+        size_t cap[1] = {kMiB};
+        int tags[1] = {i};
+        void* mhs[1] = {mh[i]};
+        void* req = nullptr;
+        if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess) return fail("irecv");
+      }
+      std::string go;
+      if (!ch.recv_str(&go, 120000) || go != "abort") return fail("no abort");
+      for (int i = 0; i < kBuffers; ++i) {
+        net->dereg_mr(recv, mh[i]);
+        std::free(buf[i]);
+      }
+      net->close_recv(recv);
+      net->close_listen(listen);
+    }
     ch.send_str("ok");
     return 0;
   }
