@@ -2,6 +2,7 @@
 // many flags with the rank of each, the control arena, the small engine all-gather). Internal.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,13 +51,17 @@ struct Communicator::Impl {
   int rank = 0;
   int world = 1;
   uint32_t timeout_ms = 30000;
-  std::vector<PeerId> peers;  // outbound peer per rank (kAnyPeer for this rank)
+  // The engine peer of each rank (kAnyPeer for this rank). Each pair has one connection: the lower
+  // rank connects (outbound), then names itself with a two-sided hello so that the higher rank
+  // knows which inbound peer it is (connecting both ways at once races in the handshake).
+  std::vector<PeerId> peers;
+  std::unique_ptr<std::atomic<uint32_t>[]> hello_peer;  // per rank: inbound peer + 1, set by on_hello
   std::vector<int> others;    // every rank but this one
   std::vector<PeerId> other_peers;
 
   // Control arena: slots of kCtrlSlot bytes, (area, epoch, rank). Incoming areas are written by the
   // rank named; outgoing ones are this rank's staging for records it writes to that rank.
-  enum Area { kXchg, kA2aCts, kA2aHdr, kP2pCts, kP2pHdr, kOutA2aCts, kOutA2aHdr, kOutP2pCts, kOutP2pHdr, kAreas };
+  enum Area { kXchg, kA2aCts, kA2aHdr, kP2pCts, kP2pHdr, kOutA2aCts, kOutA2aHdr, kOutP2pCts, kOutP2pHdr, kHello, kAreas };
   static constexpr size_t kCtrlSlot = 512;
   uint8_t* ctrl = nullptr;
   size_t ctrl_len = 0;

@@ -183,6 +183,16 @@ namespace {
 constexpr size_t kBootHeader = 16;
 }  // namespace
 
+// A lower rank's hello (worker thread): remembers which inbound peer it is. Anything else is dropped.
+static void on_hello(void* arg, PeerId from, std::span<const uint8_t> data) {
+  auto* im = static_cast<Communicator::Impl*>(arg);
+  if (data.size() != 12 || get<uint8_t>(data.data(), 0) != kRecordVersion || get<uint8_t>(data.data(), 1) != 'H' ||
+      get<uint32_t>(data.data(), 4) != static_cast<uint32_t>(im->world))
+    return;
+  const uint32_t r = get<uint32_t>(data.data(), 8);
+  if (r < static_cast<uint32_t>(im->rank)) im->hello_peer[r].store(from + 1, std::memory_order_release);
+}
+
 Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, const AllGather& allgather,
                                                           CommunicatorOptions opts) {
   if (world < 1 || world > coll::kMaxRanks || rank < 0 || rank >= world)
@@ -194,7 +204,10 @@ Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, 
   im.world = world;
   im.group = opts.group;
   im.timeout_ms = opts.engine.config.timeout_ms;
+  im.hello_peer = std::make_unique<std::atomic<uint32_t>[]>(static_cast<size_t>(world));
+  for (int r = 0; r < world; r++) im.hello_peer[r].store(0, std::memory_order_relaxed);
   PONTE_ASSIGN_OR_RETURN(im.engine, Engine::create(opts.engine));
+  im.engine->set_recv_handler(im.group, &on_hello, &im);
   if (im.group < 0 || im.group >= im.engine->num_groups())
     return Status(Code::kInvalidArgument, "Communicator: the engine has no group %d", im.group);
   im.ctrl_len = Impl::kAreas * coll::kEpochs * static_cast<size_t>(world) * Impl::kCtrlSlot;
@@ -236,13 +249,41 @@ Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, 
     auto rr = RemoteRegion::decode(std::span<const uint8_t>(b.data() + kBootHeader + al, rl));
     if (!rr.ok()) return Status(Code::kInvalidArgument, "Communicator: rank %d's control region: %s", r, rr.status().message());
     im.ctrl_remote[r] = *rr;
-    if (r == rank) continue;
+    if (r <= rank) continue;
     auto p = im.engine->connect(im.group, std::span<const uint8_t>(b.data() + kBootHeader, al));
     if (!p.ok()) return Status(p.status().code(), "Communicator: connecting to rank %d: %s", r, p.status().message());
     im.peers[r] = *p;
-    im.others.push_back(r);
-    im.other_peers.push_back(*p);
   }
+  // Hello to every higher rank: u8 version, u8 'H', u16 0, u32 world, u32 rank.
+  uint8_t* hello = im.ctrl_slot(Impl::kHello, 0, rank);
+  put<uint8_t>(hello, 0, kRecordVersion);
+  put<uint8_t>(hello, 1, 'H');
+  put<uint16_t>(hello, 2, 0);
+  put<uint32_t>(hello, 4, static_cast<uint32_t>(world));
+  put<uint32_t>(hello, 8, static_cast<uint32_t>(rank));
+  FlagSet hellos(static_cast<size_t>(world));
+  for (int r = rank + 1; r < world; r++)
+    hellos.post(r, [&](Notify n) {
+      return im.engine->send(im.group, im.peers[r], {&im.ctrl_mr, im.ctrl_offset(Impl::kHello, 0, rank), 12}, n);
+    });
+  // Every lower rank's hello names its inbound peer.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(im.timeout_ms);
+  for (int r = 0; r < rank; r++) {
+    while (im.hello_peer[r].load(std::memory_order_acquire) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        hellos.wait(im, "Communicator hello").ok();
+        return Status(Code::kTimeout, "Communicator: rank %d did not connect within %u ms", r, im.timeout_ms);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    im.peers[r] = im.hello_peer[r].load(std::memory_order_acquire) - 1;
+  }
+  PONTE_RETURN_IF_ERROR(hellos.wait(im, "Communicator hello"));
+  for (int r = 0; r < world; r++)
+    if (r != rank) {
+      im.others.push_back(r);
+      im.other_peers.push_back(im.peers[r]);
+    }
   PONTE_RETURN_IF_ERROR(c->barrier());
   return c;
 }
