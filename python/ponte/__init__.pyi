@@ -1,0 +1,117 @@
+"""Type stubs for the ponte module (python/src/*.cc binds them; docstrings there and in README)."""
+from enum import IntEnum
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+BytesLike = Union[bytes, bytearray, memoryview]
+Pages = Union[Sequence[int], np.ndarray]
+# numpy arrays, bytearray, memoryview, or a contiguous CPU torch.Tensor
+Memory = Any
+
+class Code(IntEnum):
+    """The engine's error codes, as ``ponte.Error.code``."""
+    OK: int
+    INVALID_ARGUMENT: int
+    NOT_FOUND: int
+    UNAVAILABLE: int
+    AGAIN: int
+    PEER_DEAD: int
+    TIMEOUT: int
+    TRANSPORT: int
+    RESOURCE: int
+    CANCELLED: int
+    INTERNAL: int
+
+class Error(RuntimeError):
+    """An engine failure: ``code`` (a Code) and the engine's ``message``."""
+    code: Code
+    message: str
+
+class Operation:
+    """One asynchronous engine operation; it ends exactly once, within the engine's timeout."""
+    def done(self) -> bool:
+        """Whether it has ended (successfully or not); never blocks."""
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Waits with the GIL released; raises Error on failure, TimeoutError when timeout_s passed first."""
+
+def wait_all(ops: Iterable[Operation], timeout_s: Optional[float] = None) -> None:
+    """Waits for every operation; raises the first failure (Error) once all ended, or TimeoutError."""
+
+class Region:
+    """Memory registered with an engine; keeps the registered object alive until closed."""
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+    @property
+    def obj(self) -> Optional[Memory]:
+        """The registered object (None once closed)."""
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran."""
+    def descriptor(self) -> bytes:
+        """Versioned bytes a peer passes as ``remote``."""
+    def close(self) -> None:
+        """Waits for operations using it, deregisters, releases the object."""
+    def __enter__(self) -> "Region": ...
+    def __exit__(self, *args: Any) -> None: ...
+    def __len__(self) -> int: ...
+
+ScatterTarget = Tuple[int, int, int, BytesLike, int]  # (peer, src_offset, nbytes, remote, remote_offset)
+
+class Engine:
+    """ponte's RDMA engine (one host-memory NIC group), configured by PONTE_* variables."""
+    def __init__(self, *, backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
+                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ...) -> None: ...
+    @property
+    def backend(self) -> str:
+        """'fabric' or 'verbs'."""
+    @property
+    def nics(self) -> int:
+        """NICs in the group."""
+    @property
+    def timeout_ms(self) -> int:
+        """The engine's operation timeout."""
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran."""
+    def address(self) -> bytes:
+        """This engine's address, for a peer's connect()."""
+    def connect(self, addr: BytesLike) -> int:
+        """Starts connecting; returns the peer id at once."""
+    def peers(self) -> list[int]:
+        """Peers that connected to this engine."""
+    def peer_ready(self, peer: int) -> bool:
+        """Whether the handshake with peer completed."""
+    def peer_dead(self, peer: int) -> bool:
+        """Whether nothing more will come from peer."""
+    def register(self, buf: Memory) -> Region:
+        """Registers writable contiguous memory (numpy, bytearray, CPU torch tensor)."""
+    def write(self, peer: int, region: Region, offset: int, nbytes: int, remote: BytesLike, remote_offset: int,
+              imm: Optional[int] = None) -> Operation:
+        """One-sided write; with imm the target counts imms_per_write(peer, nbytes) immediates."""
+    def read(self, peer: int, region: Region, offset: int, nbytes: int, remote: BytesLike,
+             remote_offset: int) -> Operation:
+        """RDMA read of remote bytes into region."""
+    def paged_write(self, peer: int, region: Region, src_pages: Pages, remote: BytesLike, dst_pages: Pages,
+                    page_size: int, imm: Optional[int] = None) -> Operation:
+        """Page src_pages[i] to page dst_pages[i]; with imm one immediate per page."""
+    def scatter(self, region: Region, targets: Iterable[ScatterTarget], imm: Optional[int] = None) -> Operation:
+        """One write per target, each carrying imm when given."""
+    def imm(self, peer: int, value: int) -> Operation:
+        """An immediate alone."""
+    def barrier(self, peers: Iterable[int], value: int) -> Operation:
+        """The immediate value to every peer listed."""
+    def expect_imm(self, value: int, count: int, peer: Optional[int] = None,
+                   timeout_s: Optional[float] = None) -> Operation:
+        """Ends when count immediates carrying value arrived (earlier arrivals count)."""
+    def imms_per_write(self, peer: int, nbytes: int) -> int:
+        """Immediates one write of nbytes to peer produces at the target."""
+    def imm_arrived(self, value: int) -> int:
+        """Poller view: arrived, unconsumed immediates carrying value."""
+    def consume_imm(self, value: int, n: int) -> None:
+        """Poller view: consumes n immediates carrying value."""
+    def close(self) -> None:
+        """Orderly shutdown; later calls raise Error(CANCELLED)."""
+    def __enter__(self) -> "Engine": ...
+    def __exit__(self, *args: Any) -> None: ...

@@ -1,0 +1,290 @@
+// Shared pieces of the `ponte` Python module (see py_common.h).
+#include "python/src/py_common.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <ctime>
+#include <string>
+
+namespace ponte::py {
+
+namespace {
+
+PyObject* g_error = nullptr;  // ponte.Error
+
+std::string vformat(const char* fmt, va_list ap) {
+  char buf[512];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  return buf;
+}
+
+const char* type_name(pyb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
+
+}  // namespace
+
+void init_errors(pyb::module_& m) {
+  g_error = PyErr_NewExceptionWithDoc(
+      "ponte.Error",
+      "An engine failure. ``code`` is a :class:`ponte.Code` (PEER_DEAD, TIMEOUT, TRANSPORT, ...), "
+      "``message`` the engine's text.",
+      PyExc_RuntimeError, nullptr);
+  if (!g_error) throw pyb::error_already_set();
+  m.add_object("Error", pyb::handle(g_error));
+}
+
+void raise_error(const Status& st, const char* what) {
+  std::string text = std::string(what) + ": " + st.message();
+  pyb::object exc = pyb::reinterpret_steal<pyb::object>(PyObject_CallFunction(g_error, "s", text.c_str()));
+  if (!exc) throw pyb::error_already_set();
+  exc.attr("code") = pyb::cast(st.code());
+  exc.attr("message") = pyb::str(st.message());
+  PyErr_SetObject(g_error, exc.ptr());
+  throw pyb::error_already_set();
+}
+
+void raise_refusal(const Status& st, const char* arg) {
+  if (st.code() == Code::kInvalidArgument) raise_value("%s: %s", arg, st.message());
+  raise_error(st, arg);
+}
+
+void raise_value(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = vformat(fmt, ap);
+  va_end(ap);
+  throw pyb::value_error(s);
+}
+
+void raise_type(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = vformat(fmt, ap);
+  va_end(ap);
+  throw pyb::type_error(s);
+}
+
+// ---- arguments
+
+// obj as a Python int (TypeError unless it is an integer, bools excluded): its value when it fits a
+// long long (*overflow 0), else *overflow is +1 or -1.
+static pyb::object int_of(pyb::handle obj, const char* name, long long* value, int* overflow) {
+  if (PyBool_Check(obj.ptr()) || !PyIndex_Check(obj.ptr()))
+    raise_type("%s must be an integer, not %s", name, type_name(obj));
+  pyb::object idx = pyb::reinterpret_steal<pyb::object>(PyNumber_Index(obj.ptr()));
+  if (!idx) throw pyb::error_already_set();
+  *overflow = 0;
+  *value = PyLong_AsLongLongAndOverflow(idx.ptr(), overflow);
+  if (*value == -1 && PyErr_Occurred()) throw pyb::error_already_set();
+  return idx;
+}
+
+static unsigned long long arg_ull(pyb::handle obj, const char* name, unsigned long long max) {
+  long long v;
+  int overflow;
+  pyb::object idx = int_of(obj, name, &v, &overflow);
+  if (overflow < 0 || (overflow == 0 && v < 0)) raise_value("%s must be >= 0", name);
+  unsigned long long u = overflow > 0 ? PyLong_AsUnsignedLongLong(idx.ptr()) : static_cast<unsigned long long>(v);
+  if (u == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    raise_value("%s is too large", name);
+  }
+  if (u > max) raise_value("%s = %llu is too large (at most %llu)", name, u, max);
+  return u;
+}
+
+size_t arg_size(pyb::handle obj, const char* name) { return arg_ull(obj, name, SIZE_MAX); }
+
+uint32_t arg_u32(pyb::handle obj, const char* name) { return static_cast<uint32_t>(arg_ull(obj, name, 0xffffffffull)); }
+
+int arg_int(pyb::handle obj, const char* name, int lo, int hi) {
+  long long v;
+  int overflow;
+  int_of(obj, name, &v, &overflow);
+  if (overflow != 0 || v < lo || v > hi) raise_value("%s must be in [%d, %d]", name, lo, hi);
+  return static_cast<int>(v);
+}
+
+std::optional<uint32_t> arg_opt_u32(pyb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return arg_u32(obj, name);
+}
+
+std::optional<std::chrono::nanoseconds> arg_timeout(pyb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  if (PyBool_Check(obj.ptr()) || !(PyFloat_Check(obj.ptr()) || PyIndex_Check(obj.ptr())))
+    raise_type("%s must be a number of seconds or None, not %s", name, type_name(obj));
+  double s = PyFloat_AsDouble(obj.ptr());
+  if (s == -1.0 && PyErr_Occurred()) throw pyb::error_already_set();
+  if (!std::isfinite(s) || s < 0) raise_value("%s must be a finite number of seconds >= 0", name);
+  if (s > 1e9) s = 1e9;
+  return std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
+}
+
+ByteView arg_bytes(pyb::handle obj, const char* name, Py_buffer* hold) {
+  if (PyBytes_Check(obj.ptr())) {
+    return ByteView{reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(obj.ptr())),
+                    static_cast<size_t>(PyBytes_GET_SIZE(obj.ptr()))};
+  }
+  if (!PyObject_CheckBuffer(obj.ptr()) || PyUnicode_Check(obj.ptr()))
+    raise_type("%s must be bytes (a peer's address or descriptor), not %s", name, type_name(obj));
+  if (PyObject_GetBuffer(obj.ptr(), hold, PyBUF_C_CONTIGUOUS) != 0) {
+    PyErr_Clear();
+    raise_value("%s must be contiguous bytes", name);
+  }
+  return ByteView{static_cast<const uint8_t*>(hold->buf), static_cast<size_t>(hold->len)};
+}
+
+// ---- caller memory
+
+bool is_torch_tensor(pyb::handle obj) {
+  PyObject* torch = PyImport_GetModule(pyb::str("torch").ptr());  // new ref or NULL; never imports
+  if (!torch) {
+    PyErr_Clear();
+    return false;
+  }
+  pyb::object mod = pyb::reinterpret_steal<pyb::object>(torch);
+  if (!pyb::hasattr(mod, "Tensor")) return false;
+  int r = PyObject_IsInstance(obj.ptr(), mod.attr("Tensor").ptr());
+  if (r < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return r == 1;
+}
+
+static std::string format_dtype(const char* fmt, size_t itemsize) {
+  std::string f = fmt ? fmt : "B";
+  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@' || f[0] == '|')) f = f.substr(1);
+  if (f.size() != 1) return "bytes" + std::to_string(itemsize);
+  switch (f[0]) {
+    case 'f': return "float32";
+    case 'd': return "float64";
+    case 'e': return "float16";
+    case 'b': return "int8";
+    case 'B': return "uint8";
+    case 'h': return "int16";
+    case 'H': return "uint16";
+    case 'i': return itemsize == 4 ? "int32" : "int" + std::to_string(8 * itemsize);
+    case 'I': return itemsize == 4 ? "uint32" : "uint" + std::to_string(8 * itemsize);
+    case 'l': case 'q': return "int" + std::to_string(8 * itemsize);
+    case 'L': case 'Q': return "uint" + std::to_string(8 * itemsize);
+    case '?': return "bool";
+    default: return "bytes" + std::to_string(itemsize);
+  }
+}
+
+void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool c_order) {
+  release();
+  if (obj.is_none()) raise_type("%s must be a numpy array, bytearray or CPU torch tensor, not None", name);
+  if (is_torch_tensor(obj)) {
+    std::string dev = pyb::str(obj.attr("device").attr("type"));
+    if (dev != "cpu") raise_value("%s: a %s tensor; only CPU tensors are supported", name, dev.c_str());
+    if (!obj.attr("is_contiguous")().cast<bool>()) raise_value("%s: the tensor is not contiguous (call .contiguous())", name);
+    size_t numel = obj.attr("numel")().cast<size_t>();
+    itemsize_ = obj.attr("element_size")().cast<size_t>();
+    size_ = numel * itemsize_;
+    data_ = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    dtype_ = pyb::str(obj.attr("dtype"));
+    if (dtype_.rfind("torch.", 0) == 0) dtype_ = dtype_.substr(6);
+    shape_.clear();
+    for (auto d : obj.attr("shape")) shape_.push_back(d.cast<size_t>());
+    torch_ = true;
+    obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
+    return;
+  }
+  if (!PyObject_CheckBuffer(obj.ptr()) || PyUnicode_Check(obj.ptr()))
+    raise_type("%s must be a numpy array, bytearray or CPU torch tensor (an object with the buffer protocol), not %s",
+               name, type_name(obj));
+  int flags = (c_order ? PyBUF_C_CONTIGUOUS : PyBUF_ANY_CONTIGUOUS) | PyBUF_FORMAT;
+  if (writable) flags |= PyBUF_WRITABLE;
+  if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) {
+    pyb::error_already_set e;  // fetches the BufferError
+    if (writable && PyObject_GetBuffer(obj.ptr(), &view_, flags & ~PyBUF_WRITABLE) == 0) {
+      PyBuffer_Release(&view_);
+      raise_type("%s is read-only (%s); pass writable memory such as a bytearray or numpy array", name, type_name(obj));
+    }
+    PyErr_Clear();
+    raise_value("%s: %s is not %scontiguous memory (%s)", name, type_name(obj), c_order ? "C-" : "", e.what());
+  }
+  has_view_ = true;
+  data_ = view_.buf;
+  size_ = static_cast<size_t>(view_.len);
+  itemsize_ = static_cast<size_t>(view_.itemsize > 0 ? view_.itemsize : 1);
+  dtype_ = format_dtype(view_.format, itemsize_);
+  shape_.clear();
+  if (view_.ndim == 0) {
+    shape_.push_back(size_ / itemsize_);
+  } else {
+    for (int i = 0; i < view_.ndim; i++) shape_.push_back(static_cast<size_t>(view_.shape ? view_.shape[i] : size_ / itemsize_));
+  }
+  torch_ = false;
+  obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
+}
+
+void HostMemory::release() {
+  if (has_view_) {
+    PyBuffer_Release(&view_);
+    has_view_ = false;
+  }
+  obj_ = pyb::object();
+  data_ = nullptr;
+  size_ = 0;
+}
+
+// ---- waiting
+
+static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+void DoneCell::fire() {
+  // The waiter may free the cell as soon as it sees kDone; the wake only uses the address (a stale
+  // wake is harmless: futex waiters recheck their word).
+  if (state_.exchange(kDone, std::memory_order_acq_rel) == kSleeper) futex(&state_, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr);
+}
+
+bool DoneCell::wait_until(std::chrono::steady_clock::time_point deadline) {
+  // A short spin first: a completion often arrives within microseconds under load.
+  for (int i = 0; i < 200; i++) {
+    if (done()) return true;
+    __builtin_ia32_pause();
+  }
+  for (;;) {
+    uint32_t s = state_.load(std::memory_order_acquire);
+    if (s == kDone) return true;
+    if (s == kPending && !state_.compare_exchange_weak(s, kSleeper, std::memory_order_acq_rel)) continue;
+    auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::nanoseconds(0)) return done();
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    futex(&state_, FUTEX_WAIT_PRIVATE, kSleeper, &ts);
+  }
+}
+
+bool wait_cell(DoneCell& cell, std::optional<std::chrono::nanoseconds> timeout) {
+  if (cell.done()) return true;
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto end = timeout ? start + *timeout : clock::time_point::max();
+  constexpr auto kSlice = std::chrono::milliseconds(100);  // how often Ctrl-C is noticed
+  for (;;) {
+    auto now = clock::now();
+    auto slice_end = (end - now > kSlice) ? now + kSlice : end;
+    bool done;
+    {
+      pyb::gil_scoped_release nogil;
+      done = cell.wait_until(slice_end);
+    }
+    if (done) return true;
+    if (clock::now() >= end) return false;
+    if (PyErr_CheckSignals() != 0) throw pyb::error_already_set();
+  }
+}
+
+}  // namespace ponte::py

@@ -1,0 +1,101 @@
+// Shared pieces of the `ponte` Python module: ponte.Error from a Status, argument conversion with
+// messages that name the argument, caller memory (buffer protocol, CPU torch tensors) and bounded waits.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "core/status.h"
+
+namespace ponte::py {
+
+namespace pyb = pybind11;
+
+// Called once by the module: creates ponte.Error (a RuntimeError with .code and .message).
+void init_errors(pyb::module_& m);
+
+// Raises ponte.Error for st ("what: message"); never returns.
+[[noreturn]] void raise_error(const Status& st, const char* what);
+// An engine refusal: kInvalidArgument becomes ValueError naming `arg`, anything else ponte.Error.
+[[noreturn]] void raise_refusal(const Status& st, const char* arg);
+[[noreturn]] void raise_value(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+[[noreturn]] void raise_type(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// Argument conversion: TypeError when obj is not an integer, ValueError when out of range.
+size_t arg_size(pyb::handle obj, const char* name);
+uint32_t arg_u32(pyb::handle obj, const char* name);
+int arg_int(pyb::handle obj, const char* name, int lo, int hi);
+// None -> nullopt, else a u32.
+std::optional<uint32_t> arg_opt_u32(pyb::handle obj, const char* name);
+// A timeout in seconds (None -> nullopt); ValueError when negative or not finite.
+std::optional<std::chrono::nanoseconds> arg_timeout(pyb::handle obj, const char* name);
+// Bytes-like (bytes, bytearray, memoryview of bytes) as a pointer and length valid while obj lives.
+struct ByteView {
+  const uint8_t* data = nullptr;
+  size_t len = 0;
+};
+ByteView arg_bytes(pyb::handle obj, const char* name, Py_buffer* hold);
+
+// Caller memory: a contiguous object exporting the buffer protocol (numpy array, bytearray,
+// memoryview) or a contiguous CPU torch tensor. Holds the object (and its buffer export) until
+// release(), which needs the GIL.
+class HostMemory {
+ public:
+  HostMemory() = default;
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+  ~HostMemory() { release(); }
+  // writable: the memory will be written (refuses read-only exports). c_order: rows must be
+  // C-contiguous (else any contiguous layout: the memory is taken as bytes).
+  void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false);
+  void release();
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  pyb::object object() const { return obj_; }
+  bool is_torch() const { return torch_; }
+  // Element type as numpy's dtype string ("float32", "int64", "uint16", "bfloat16", ...).
+  const std::string& dtype() const { return dtype_; }
+  size_t itemsize() const { return itemsize_; }
+  // Shape in elements.
+  const std::vector<size_t>& shape() const { return shape_; }
+
+ private:
+  pyb::object obj_;
+  Py_buffer view_{};
+  bool has_view_ = false;
+  bool torch_ = false;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  size_t itemsize_ = 1;
+  std::string dtype_;
+  std::vector<size_t> shape_;
+};
+
+// Whether obj is a torch.Tensor (without importing torch: only when torch is already loaded).
+bool is_torch_tensor(pyb::handle obj);
+
+// A one-shot completion cell fired from the engine's worker thread (no GIL, no lock, no allocation:
+// one atomic exchange, and a futex wake only when a thread sleeps on it) and waited for by Python
+// threads with the GIL released.
+class DoneCell {
+ public:
+  bool done() const { return state_.load(std::memory_order_acquire) == kDone; }
+  void fire();  // worker side
+  // Waits until done or the deadline; true when done. The GIL must be released by the caller.
+  bool wait_until(std::chrono::steady_clock::time_point deadline);
+
+ private:
+  static constexpr uint32_t kPending = 0, kDone = 1, kSleeper = 2;
+  std::atomic<uint32_t> state_{kPending};
+};
+
+// Waits for cell with the GIL released, in slices, checking for KeyboardInterrupt between them.
+// timeout nullopt: until done. Returns false on timeout; raises on a pending Python signal.
+bool wait_cell(DoneCell& cell, std::optional<std::chrono::nanoseconds> timeout);
+
+}  // namespace ponte::py

@@ -1,0 +1,152 @@
+"""Bad arguments raise ValueError/TypeError naming the argument; nothing crashes the interpreter.
+One engine connected to itself (no second process needed to refuse input)."""
+import numpy as np
+import pytest
+
+import ponte
+
+
+@pytest.fixture(scope="module")
+def self_link():
+    eng = ponte.Engine(provider="tcp;ofi_rxm", timeout_ms=3000)
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    reg = eng.register(buf)
+    pid = eng.connect(eng.address())
+    yield eng, reg, pid, reg.descriptor()
+    reg.close()
+    eng.close()
+
+
+def test_region_arguments(self_link):
+    eng, reg, pid, desc = self_link
+    with pytest.raises(TypeError, match="region must be a ponte.Region"):
+        eng.write(pid, np.zeros(8, np.uint8), 0, 8, desc, 0)  # an unregistered buffer
+    with pytest.raises(ValueError, match="offset"):
+        eng.write(pid, reg, 1 << 16, 1, desc, 0)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        eng.write(pid, reg, -1, 1, desc, 0)
+    with pytest.raises(TypeError, match="nbytes must be an integer"):
+        eng.write(pid, reg, 0, "8", desc, 0)
+    with pytest.raises(ValueError, match="remote_offset"):
+        eng.write(pid, reg, 0, 16, desc, (1 << 16) - 8)
+    with pytest.raises(ValueError, match="imm"):
+        eng.write(pid, reg, 0, 16, desc, 0, imm=1 << 32)
+    with pytest.raises(ValueError, match="offset"):
+        eng.read(pid, reg, 10, 1 << 16, desc, 0)
+
+
+def test_bad_descriptor_bytes(self_link):
+    eng, reg, pid, desc = self_link
+    for bad in (b"", desc[:10], desc[:-1], b"\x00" * len(desc), bytes([desc[0] + 1]) + desc[1:], eng.address()):
+        with pytest.raises(ValueError, match="remote"):
+            eng.write(pid, reg, 0, 8, bad, 0)
+    with pytest.raises(TypeError, match="remote must be bytes"):
+        eng.write(pid, reg, 0, 8, "not bytes", 0)
+    with pytest.raises(TypeError, match="remote must be bytes"):
+        eng.write(pid, reg, 0, 8, None, 0)
+    # bytearray and memoryview of good bytes work
+    eng.write(pid, reg, 0, 8, bytearray(desc), 0).wait(10)
+    eng.write(pid, reg, 0, 8, memoryview(desc), 0).wait(10)
+
+
+def test_bad_addresses_and_peers(self_link):
+    eng, reg, pid, desc = self_link
+    addr = eng.address()
+    for bad in (addr[:-1], desc, b"\x00" * 64, b""):
+        with pytest.raises(ValueError, match="addr"):
+            eng.connect(bad)
+    with pytest.raises(ValueError, match="unknown peer"):
+        eng.write(4000, reg, 0, 8, desc, 0)
+    with pytest.raises(ValueError, match="peer"):
+        eng.write(-1, reg, 0, 8, desc, 0)
+    with pytest.raises(ValueError, match="count"):
+        eng.expect_imm(1, 0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        eng.expect_imm(1, 1, timeout_s=-1)
+
+
+def test_paged_and_scatter_arguments(self_link):
+    eng, reg, pid, desc = self_link
+    with pytest.raises(ValueError, match="dst_pages"):
+        eng.paged_write(pid, reg, [0, 1], desc, [0], 4096)
+    with pytest.raises(ValueError, match="src_pages\\[1\\]"):
+        eng.paged_write(pid, reg, [0, 16], desc, [0, 1], 4096)
+    with pytest.raises(ValueError, match="dst_pages\\[0\\]"):
+        eng.paged_write(pid, reg, [0], desc, [16], 4096)
+    with pytest.raises(ValueError, match="src_pages\\[0\\]"):
+        eng.paged_write(pid, reg, np.array([-1], np.int64), desc, [0], 4096)
+    with pytest.raises(TypeError, match="src_pages"):
+        eng.paged_write(pid, reg, np.array([0.5]), desc, [0], 4096)
+    with pytest.raises(ValueError, match="page_size"):
+        eng.paged_write(pid, reg, [0], desc, [0], 0)
+    with pytest.raises(TypeError, match="targets\\[0\\]"):
+        eng.scatter(reg, [pid])
+    with pytest.raises(ValueError, match="targets\\[1\\]"):
+        eng.scatter(reg, [(pid, 0, 8, desc, 0), (pid, 0, 8)])
+    with pytest.raises(ValueError, match="targets\\[0\\].remote_offset"):
+        eng.scatter(reg, [(pid, 0, 8, desc, 1 << 16)])
+
+
+def test_register_arguments(self_link):
+    eng, reg, pid, desc = self_link
+    with pytest.raises(TypeError, match="read-only"):
+        eng.register(b"immutable bytes")
+    with pytest.raises(TypeError, match="buf must be"):
+        eng.register("a string")
+    with pytest.raises(TypeError, match="buf must be"):
+        eng.register(12)
+    with pytest.raises(ValueError, match="buf"):
+        eng.register(np.zeros((8, 8))[:, 0])  # not contiguous
+    with pytest.raises(ValueError, match="empty"):
+        eng.register(bytearray())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        ponte.Engine(colour="blue")
+    with pytest.raises(ValueError, match="backend"):
+        ponte.Engine(backend="carrier-pigeon")
+
+
+def test_region_keeps_its_object_alive_and_closes(self_link):
+    eng, reg, pid, desc = self_link
+    r = eng.register(bytearray(b"\x01" * 4096))  # nobody else holds the bytearray
+    assert bytes(r.obj[:4]) == b"\x01" * 4
+    eng.write(pid, r, 0, 4096, desc, 0).wait(10)
+    r.close()
+    assert r.closed and r.obj is None
+    with pytest.raises(ValueError, match="closed"):
+        eng.write(pid, r, 0, 8, desc, 0)
+    r.close()  # twice: no-op
+
+
+def test_operation_api(self_link):
+    eng, reg, pid, desc = self_link
+    op = eng.write(pid, reg, 0, 8, desc, 8)
+    ponte.wait_all([op], timeout_s=10)
+    assert op.done() and "done" in repr(op)
+    with pytest.raises(TypeError):
+        ponte.wait_all([op, 3])
+    assert issubclass(ponte.Error, RuntimeError)
+
+
+def test_every_public_name_has_a_docstring_and_a_stub():
+    import ast
+    import os
+    stub = os.path.join(os.path.dirname(ponte.__file__), "__init__.pyi")
+    tree = ast.parse(open(stub).read())
+    stubbed = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    stub_methods = {(c.name, f.name) for c in tree.body if isinstance(c, ast.ClassDef)
+                    for f in c.body if isinstance(f, ast.FunctionDef)}
+    assert ponte.__doc__
+    for name in ponte.__all__:
+        obj = getattr(ponte, name)
+        assert obj.__doc__, name
+        assert name in stubbed, "%s is missing from __init__.pyi" % name
+        if name == "Code":
+            members = {a.target.id for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Code"
+                       for a in c.body if isinstance(a, ast.AnnAssign)}
+            assert set(ponte.Code.__members__) == members
+        elif isinstance(obj, type) and name != "Error":
+            for attr, member in vars(obj).items():
+                if attr.startswith("_"):
+                    continue
+                assert getattr(member, "__doc__", None), "%s.%s has no docstring" % (name, attr)
+                assert (name, attr) in stub_methods, "%s.%s is missing from __init__.pyi" % (name, attr)

@@ -1,0 +1,286 @@
+"""ponte.Engine from Python: every operation between two processes over tcp;ofi_rxm and shm on
+loopback, verified byte for byte by the receiving process."""
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ponte
+from conftest import TIMEOUT_MS
+from peers import PeerProcess, pattern
+
+REGION = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def link(engine, peer):
+    """Our engine connected to the peer; both sides have a REGION-byte buffer registered."""
+    remote = peer.call("register", REGION)
+    src = np.zeros(REGION, dtype=np.uint8)
+    reg = engine.register(src)
+    pid = engine.connect(peer.addr)
+    # The peer writes back to us through the connection we opened (its peer id for us).
+    engine.imm(pid, 1).wait(20)
+    peer.call("expect", 1, 1)
+    them = peer.call("peers")
+    assert len(them) == 1
+    yield engine, peer, pid, reg, src, remote, them[0]
+    reg.close()
+
+
+def test_write_with_imm_every_size_verified(link):
+    eng, peer, pid, reg, src, remote, _ = link
+    for k, n in enumerate([1, 64, 4097, 65536, (1 << 20) + 13, 3 << 20]):
+        seed = 10 + k
+        off, roff = 7 * k, 4096 * k + 3
+        src[off:off + n] = pattern(n, seed)
+        per = eng.imms_per_write(pid, n)
+        assert per >= 1
+        peer.call("arm", "w", 100 + k, per)
+        op = eng.write(pid, reg, off, n, remote, roff, imm=100 + k)
+        op.wait(20)
+        assert op.done()
+        peer.call("wait", "w")
+        assert peer.call("check", roff, n, seed, 0, 0.0) == -1, "size %d" % n
+
+
+def test_plain_write_then_imm_alone(link):
+    eng, peer, pid, reg, src, remote, _ = link
+    src[:65536] = pattern(65536, 3)
+    eng.write(pid, reg, 0, 65536, remote, 0).wait(20)
+    eng.imm(pid, 200).wait(20)
+    peer.call("expect", 200, 1)
+    assert peer.call("check", 0, 65536, 3) == -1
+
+
+def test_read_fetches_remote_bytes(link):
+    eng, peer, pid, reg, src, remote, _ = link
+    peer.call("fill", 1000, 300000, 44)
+    src[:300000] = 0
+    eng.read(pid, reg, 5, 300000, remote, 1000).wait(20)
+    assert np.array_equal(src[5:300005], pattern(300000, 44))
+
+
+def test_paged_write_moves_each_page_and_nothing_else(link):
+    eng, peer, pid, reg, src, remote, _ = link
+    page = 4096
+    layers, blocks = 4, 32
+    src[:layers * blocks * page] = pattern(layers * blocks * page, 55)
+    peer.call("zero")
+    src_pages = np.arange(0, layers * blocks, 2, dtype=np.int64)  # every other page
+    dst_pages = (src_pages * 7) % (REGION // page)  # scattered, distinct
+    assert len(set(dst_pages.tolist())) == len(dst_pages)
+    peer.call("arm", "p", 300, len(src_pages))
+    eng.paged_write(pid, reg, src_pages, remote, dst_pages.astype(np.uint32), page, imm=300).wait(20)
+    peer.call("wait", "p")
+    for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
+        assert peer.call("check", d * page, page, 55, s * page, 0.0) == -1, "page %d -> %d" % (s, d)
+    # Pages not written stay zero.
+    assert peer.call("checksum", 0, REGION) == int(src[:layers * blocks * page].reshape(-1, page)[src_pages]
+                                                   .astype(np.uint64).sum())
+    # Lists of ints work too.
+    peer.call("arm", "p", 301, 2)
+    eng.paged_write(pid, reg, [1, 3], remote, [0, 1], page, imm=301).wait(20)
+    peer.call("wait", "p")
+    assert peer.call("check", 0, page, 55, page, 0.0) == -1
+    assert peer.call("check", page, page, 55, 3 * page, 0.0) == -1
+
+
+def test_scatter_reaches_every_target_with_imm(link, provider):
+    eng, peer, pid, reg, src, remote, _ = link
+    other = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS)
+    try:
+        remote2 = other.call("register", 1 << 20)
+        pid2 = eng.connect(other.addr)
+        n = 200000
+        src[:3 * n] = pattern(3 * n, 66)
+        targets = [(pid, 0, n, remote, 100), (pid2, n, n, remote2, 0), (pid, 2 * n, n, remote, 100 + n)]
+        peer.call("arm", "s", 400, 2 * eng.imms_per_write(pid, n))
+        other.call("arm", "s", 400, eng.imms_per_write(pid2, n))
+        op = eng.scatter(reg, targets, imm=400)
+        op.wait(20)
+        peer.call("wait", "s")
+        other.call("wait", "s")
+        assert peer.call("check", 100, n, 66, 0, 0.0) == -1
+        assert peer.call("check", 100 + n, n, 66, 2 * n, 0.0) == -1
+        assert other.call("check", 0, n, 66, n, 0.0) == -1
+        # barrier: the same immediate to both
+        peer.call("arm", "b", 401, 1)
+        other.call("arm", "b", 401, 1)
+        eng.barrier([pid, pid2], 401).wait(20)
+        peer.call("wait", "b")
+        other.call("wait", "b")
+    finally:
+        other.close()
+
+
+def test_peer_writes_to_us_and_expect_imm_from_peer(link):
+    eng, peer, pid, reg, src, remote, them = link
+    mine = np.zeros(1 << 20, dtype=np.uint8)
+    with eng.register(mine) as r:
+        peer.call("fill", 0, 1 << 20, 77)
+        assert eng.peers() == []  # we connected to the peer, not it to us: one peer, our pid
+        exp = eng.expect_imm(500, peer.call("imms_per_write", them, 1 << 20), peer=pid)
+        peer.call("write", them, 0, 1 << 20, r.descriptor(), 0, 500)
+        exp.wait(20)
+        assert np.array_equal(mine, pattern(1 << 20, 77))
+
+
+def test_thousands_in_flight_with_dropped_operations(link):
+    """Operations dropped unwaited stay valid until they end (the engine keeps their state)."""
+    eng, peer, pid, reg, src, remote, _ = link
+    n, size = 3000, 1024
+    src[:n * size] = pattern(n * size, 88)
+    peer.call("arm", "t", 600, n * eng.imms_per_write(pid, size))
+    for i in range(n):
+        eng.write(pid, reg, i * size, size, remote, i * size, imm=600)  # Operation dropped at once
+    peer.call("wait", "t")
+    assert peer.call("check", 0, n * size, 88, 0, 0.0) == -1
+    gc.collect()
+
+
+def test_wait_releases_the_gil(link):
+    """Another Python thread runs while one waits for an immediate that arrives 0.5 s later."""
+    eng, peer, pid, reg, src, remote, them = link
+    exp = eng.expect_imm(700, 1)
+    count = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        timer = threading.Timer(0.5, lambda: peer.call("imm", them, 700))
+        timer.start()
+        t0 = time.time()
+        exp.wait(20)
+        elapsed = time.time() - t0
+        timer.join()
+    finally:
+        stop.set()
+        t.join()
+    assert elapsed >= 0.3
+    assert count[0] > 10000, "the spinning thread did not run while we waited (%d)" % count[0]
+
+
+def test_wait_timeout_leaves_the_operation_in_flight(link):
+    eng, peer, pid, reg, src, remote, them = link
+    exp = eng.expect_imm(800, 1, timeout_s=20)
+    with pytest.raises(TimeoutError):
+        exp.wait(0.05)
+    assert not exp.done()
+    peer.call("imm", them, 800)
+    exp.wait(20)
+    assert exp.done()
+
+
+def test_expect_imm_times_out_with_engine_error(engine):
+    op = engine.expect_imm(900, 1, timeout_s=0.2)
+    t0 = time.time()
+    with pytest.raises(ponte.Error) as e:
+        op.wait(10)
+    assert e.value.code == ponte.Code.TIMEOUT
+    assert time.time() - t0 < 5
+
+
+def test_torch_tensors_register_and_move(link):
+    torch = pytest.importorskip("torch")
+    eng, peer, pid, reg, src, remote, them = link
+    x = torch.arange(100000, dtype=torch.float32)
+    with eng.register(x) as r:
+        assert r.nbytes == 400000
+        assert r.obj is x
+        peer.call("arm", "x", 950, eng.imms_per_write(pid, r.nbytes))
+        eng.write(pid, r, 0, r.nbytes, remote, 0, imm=950).wait(20)
+        peer.call("wait", "x")
+        # The peer writes the same bytes back into a bf16 tensor's memory, read through torch.
+        y = torch.zeros(200000, dtype=torch.bfloat16)
+        with eng.register(y) as ry:
+            eng.read(pid, ry, 0, 400000, remote, 0).wait(20)
+            assert torch.equal(y.view(torch.float32), x)
+    with pytest.raises(ValueError, match="buf"):
+        eng.register(torch.zeros(10, 10)[:, 0])  # not contiguous
+
+
+def test_striped_writes_over_two_nics(provider):
+    other = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS, nics=2, stripe_min=65536)
+    try:
+        eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, nics=2, stripe_min=65536)
+        assert eng.nics == 2
+        remote = other.call("register", 4 << 20)
+        src = np.zeros(4 << 20, dtype=np.uint8)
+        src[:] = pattern(4 << 20, 99)
+        with eng.register(src) as r:
+            pid = eng.connect(other.addr)
+            eng.imm(pid, 1).wait(20)  # the peer's address is known after the handshake
+            per = eng.imms_per_write(pid, 3 << 20)
+            assert per == 2
+            other.call("arm", "w", 1000, per)
+            eng.write(pid, r, 0, 3 << 20, remote, 1 << 20, imm=1000).wait(20)
+            other.call("wait", "w")
+            assert other.call("check", 1 << 20, 3 << 20, 99, 0, 0.0) == -1
+        eng.close()
+    finally:
+        other.close()
+
+
+def test_dead_peer_ends_operations_with_error_within_timeout(provider):
+    if provider == "shm":
+        # Seen here: a writer then spins forever inside fi_writedata on the dead peer's shared-memory
+        # region lock (libfabric 1.17 shm takes the peer's lock to queue a command; a peer killed
+        # while holding it wedges every writer). No engine timeout can end a provider call that
+        # never returns, so this kill runs over tcp;ofi_rxm only.
+        pytest.skip("shm: a killed peer can leave its region lock held (libfabric 1.17); tcp;ofi_rxm covers it")
+    victim = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS)
+    eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS)
+    try:
+        remote = victim.call("register", 16 << 20)
+        src = np.zeros(16 << 20, dtype=np.uint8)
+        with eng.register(src) as r:
+            pid = eng.connect(victim.addr)
+            eng.write(pid, r, 0, 4096, remote, 0).wait(20)
+            exp = eng.expect_imm(1100, 1, peer=pid)
+            ops = [eng.write(pid, r, 0, 16 << 20, remote, 0, imm=5) for _ in range(16)]
+            victim.kill()
+            t0 = time.time()
+            errors = []
+            for op in ops + [exp]:
+                try:
+                    op.wait(TIMEOUT_MS / 1000 + 15)
+                except ponte.Error as e:
+                    errors.append(e.code)
+            assert ponte.Code.PEER_DEAD in errors or ponte.Code.TIMEOUT in errors
+            assert time.time() - t0 < TIMEOUT_MS / 1000 + 15
+            with pytest.raises(ponte.Error) as e:
+                exp.wait(0)
+            assert e.value.code == ponte.Code.PEER_DEAD
+            assert "peer" in e.value.message or "dead" in e.value.message
+            assert eng.peer_dead(pid)
+            with pytest.raises(ponte.Error) as e:
+                eng.write(pid, r, 0, 8, remote, 0).wait(20)
+            assert e.value.code == ponte.Code.PEER_DEAD
+    finally:
+        eng.close()
+        victim.close()
+
+
+def test_engine_close_ends_everything(provider):
+    eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS)
+    exp = eng.expect_imm(1200, 1)
+    buf = bytearray(4096)
+    r = eng.register(buf)
+    eng.close()
+    assert eng.closed
+    with pytest.raises(ponte.Error) as e:
+        exp.wait(5)
+    assert e.value.code == ponte.Code.CANCELLED
+    with pytest.raises(ponte.Error) as e:
+        eng.address()
+    assert e.value.code == ponte.Code.CANCELLED
+    r.close()  # after the engine: nothing left to deregister, no crash
+    eng.close()  # twice: no-op
