@@ -260,14 +260,15 @@ static Status check_peer(const NicGroup* g, PeerId p) {
   return Status::Ok();
 }
 
-Status Engine::write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst, size_t dst_offset,
-                     const uint32_t* imm, Notify done) {
-  PONTE_GROUP_OR_RETURN(g, group);
+// One write (striped over the peer's NICs unless whole), checked and submitted.
+static Status submit_write(NicGroup* g, int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                           size_t dst_offset, const uint32_t* imm, bool whole, Notify done) {
   PONTE_RETURN_IF_ERROR(check_peer(g, peer));
   PONTE_RETURN_IF_ERROR(check_local(src, group));
   PONTE_RETURN_IF_ERROR(check_remote(dst, dst_offset, src.len));
   Op op;
   op.type = Op::kWrite;
+  op.whole = whole;
   op.peer = peer;
   op.mr = src.mr;
   op.offset = src.offset;
@@ -278,6 +279,18 @@ Status Engine::write(int group, PeerId peer, const LocalSlice& src, const Remote
   op.imm = imm ? *imm : 0;
   op.done = done;
   return g->submit(op);
+}
+
+Status Engine::write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst, size_t dst_offset,
+                     const uint32_t* imm, Notify done) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  return submit_write(g, group, peer, src, dst, dst_offset, imm, false, done);
+}
+
+Status Engine::write_imm_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                               size_t dst_offset, uint32_t imm, Notify done) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  return submit_write(g, group, peer, src, dst, dst_offset, &imm, true, done);
 }
 
 Status Engine::read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src, size_t src_offset,

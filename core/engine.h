@@ -121,6 +121,11 @@ class Engine {
                    size_t dst_offset, uint32_t imm, Notify done) {
     return write(group, peer, src, dst, dst_offset, &imm, done);
   }
+  // A write with imm that is never striped: one NIC, so exactly one immediate (unless longer than
+  // the largest shard), whatever either end's PONTE_STRIPE_MIN. For protocol messages whose
+  // immediates the target counts without knowing the writer's settings.
+  Status write_imm_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                         size_t dst_offset, uint32_t imm, Notify done);
   // RDMA read of len bytes from src+src_offset into dst.
   Status read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
               size_t src_offset, Notify done);

@@ -24,6 +24,7 @@ struct Op {
   enum Type : uint8_t { kWrite, kRead, kPaged, kScatter, kImm, kBarrier, kSend, kExpect, kConnect, kCall };
   Type type = kWrite;
   bool has_imm = false;
+  bool whole = false;  // kWrite: never striped over NICs (Engine::write_imm_whole)
   uint32_t imm = 0;
   PeerId peer = 0;
   Notify done;

@@ -126,7 +126,7 @@ void NicGroup::start_op(const Op& op) {
   s.first_nic = first_nic_++;
   switch (op.type) {
     case Op::kWrite: {
-      int n = std::min<int>(peer_nics(op.peer), op.remote.nics);
+      int n = op.whole ? 1 : std::min<int>(peer_nics(op.peer), op.remote.nics);
       s.plan = StripePlan::make(op.len, n, cfg_.stripe_min_bytes, peer_max_shard(op.peer));
       s.shards = s.plan.shards;
       break;

@@ -54,17 +54,13 @@ Status check_mr(Device* d, void* mhandle, const void* data, size_t len, const Mr
   return Status::Ok();
 }
 
-uint32_t cts_imms(Engine& e, const CommBase* c) {
-  const uint32_t n = e.imms_per_write(Device::group, c->peer, kCtsSlotBytes);
-  return n ? n : 1;
-}
 
 Status post_record(SendComm* c, SendRequest* r) {
   Device* d = c->dev;
   LocalSlice src{&c->mrs[1], static_cast<size_t>(r->index) * kRecordBytes, kRecordBytes};
   r->pending.fetch_add(1, std::memory_order_relaxed);
   c->inflight.fetch_add(1, std::memory_order_relaxed);
-  Status st = d->engine->write_imm(d->group, c->peer, src, c->records, r->record_dst_offset,
+  Status st = d->engine->write_imm_whole(d->group, c->peer, src, c->records, r->record_dst_offset,
                                    r->record_imm, Notify{&op_done, r});
   if (!st.ok()) {
     r->pending.fetch_sub(1, std::memory_order_relaxed);
@@ -87,8 +83,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
 
   const uint32_t cts_value = imm_value(false, c->comm_id, c->head);
   if (c->head_n < 0) {  // wait for the receiver's CTS for request `head`
-    const uint32_t need = cts_imms(e, c);
-    if (e.imm_arrived(d->group, cts_value) < need) return Status::Ok();
+    if (e.imm_arrived(d->group, cts_value) < 1) return Status::Ok();  // one: CTS writes are whole
     const uint8_t* slot = c->fifo.ptr + (c->head % kMaxRequests) * kCtsSlotBytes;
     auto n = decode_cts_header(slot, static_cast<uint32_t>(c->head));
     if (!n.ok()) return Status(Code::kTransport, "isend: corrupt CTS: %s", n.status().message());
@@ -149,7 +144,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   r->in_use = true;
   c->matched |= 1u << i;
   if (std::popcount(c->matched) == c->head_n) {  // every buffer of this CTS has its send
-    e.consume_imm(d->group, cts_value, cts_imms(e, c));
+    e.consume_imm(d->group, cts_value, 1);
     ++c->head;
     c->head_n = -1;
   }
@@ -200,7 +195,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
   c->inflight.fetch_add(1, std::memory_order_relaxed);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, kCtsSlotBytes};
-  Status st = e.write_imm(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
+  Status st = e.write_imm_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
                           imm_value(false, c->remote_comm_id, number),
                           Notify{&op_done, r});
   if (!st.ok()) {

@@ -643,6 +643,23 @@ std::vector<size_t> split_sizes(const std::string& s) {
 
 // Sends each size (pattern seeds 1, 2, ...) over send to a peer in role "recv", checks the size
 // each send reports, then the peer's verdict on every byte and its clean exit.
+// One receive of s bytes (tag 0) checked against fill(seed); "" or what went wrong.
+std::string receive_verified(const Net& net, void* recv, size_t s, uint32_t seed) {
+  Buffer dst(net, recv, s);
+  void* data[1] = {dst.data()};
+  size_t cap[1] = {s};
+  int tags[1] = {0};
+  void* mhs[1] = {dst.mh()};
+  void* req = nullptr;
+  int got[8] = {-1};
+  if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess ||
+      wait_request(net, req, got) != kSuccess)
+    return "receive of " + std::to_string(s);
+  if (got[0] != static_cast<int>(s) || mismatch(dst.data(), s, seed) != SIZE_MAX)
+    return "data of " + std::to_string(s);
+  return "";
+}
+
 void send_sizes_to_receiver(const Net& net, void* send, const std::vector<size_t>& sizes, Peer& peer) {
   uint32_t seed = 1;
   for (size_t s : sizes) {
@@ -658,6 +675,51 @@ void send_sizes_to_receiver(const Net& net, void* send, const std::vector<size_t
   ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
   EXPECT_EQ(verdict, "ok");
   EXPECT_EQ(peer.wait_exit(30000), 0);
+}
+
+// The peer (role "recv") listens and hands us its handle; we connect from dev and send sizes.
+void send_to_receiving_peer(const Net& net, int dev, const std::vector<size_t>& sizes, Peer& peer) {
+  ASSERT_TRUE(peer.started());
+  std::vector<uint8_t> handle;
+  ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
+  ASSERT_EQ(handle.size(), kHandleMaxSize);
+  void* send = nullptr;
+  ASSERT_OK(connect_comm(net, dev, handle.data(), &send));
+  ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, send, sizes, peer));
+  net->close_send(send);
+}
+
+// We listen on dev, the peer (role "send") connects and sends sizes; each is received into a
+// buffer of slack bytes more and verified.
+void receive_from_sending_peer(const Net& net, int dev, const std::vector<size_t>& sizes, Peer& peer,
+                               size_t slack) {
+  ASSERT_TRUE(peer.started());
+  Handle h;
+  void* listen = nullptr;
+  ASSERT_OK(net->listen(net.ctx(), dev, h.bytes, &listen));
+  ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
+  void* recv = nullptr;
+  ASSERT_OK(accept_comm(net, listen, &recv));
+  uint32_t seed = 1;
+  for (size_t s : sizes) {
+    Buffer dst(net, recv, s + slack);
+    void* data[1] = {dst.data()};
+    size_t cap[1] = {s + slack};
+    int tags[1] = {0};
+    void* mhs[1] = {dst.mh()};
+    void* req = nullptr;
+    ASSERT_OK(post_recv(net, recv, 1, data, cap, tags, mhs, &req));
+    int got[8] = {-1};
+    ASSERT_OK(wait_request(net, req, got));
+    EXPECT_EQ(got[0], static_cast<int>(s));
+    EXPECT_EQ(mismatch(dst.data(), s, seed++), SIZE_MAX) << s << " bytes";
+  }
+  std::string verdict;
+  ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
+  EXPECT_EQ(verdict, "ok");
+  EXPECT_EQ(peer.wait_exit(30000), 0);
+  net->close_recv(recv);
+  net->close_listen(listen);
 }
 
 TEST(PluginProcesses, NoDevicesUnlessTheProviderIsNamed) {
@@ -676,48 +738,13 @@ TEST(PluginProcesses, TwoProcessesBothDirectionsByteForByte) {
   Net net;
   ASSERT_OK(net.init_result);
   const std::vector<size_t> sizes = {0, 1, 4096, 100000, 2 * kMiB + 5, 64 * kMiB};
-  // The peer receives: it listens, we connect and send.
-  {
+  {  // The peer receives: it listens, we connect and send.
     Peer peer({"recv", join_sizes(sizes)});
-    ASSERT_TRUE(peer.started());
-    std::vector<uint8_t> handle;
-    ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
-    ASSERT_EQ(handle.size(), kHandleMaxSize);
-    void* send = nullptr;
-    ASSERT_OK(connect_comm(net, 0, handle.data(), &send));
-    ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, send, sizes, peer));
-    net->close_send(send);
+    ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, 0, sizes, peer));
   }
-  // The peer sends: we listen, it connects.
-  {
+  {  // The peer sends: we listen, it connects.
     Peer peer({"send", join_sizes(sizes)});
-    ASSERT_TRUE(peer.started());
-    Handle h;
-    void* listen = nullptr;
-    ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
-    ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
-    void* recv = nullptr;
-    ASSERT_OK(accept_comm(net, listen, &recv));
-    uint32_t seed = 1;
-    for (size_t s : sizes) {
-      Buffer dst(net, recv, s + 100);
-      void* data[1] = {dst.data()};
-      size_t cap[1] = {s + 100};
-      int tags[1] = {0};
-      void* mhs[1] = {dst.mh()};
-      void* req = nullptr;
-      ASSERT_OK(post_recv(net, recv, 1, data, cap, tags, mhs, &req));
-      int got[8] = {-1};
-      ASSERT_OK(wait_request(net, req, got));
-      EXPECT_EQ(got[0], static_cast<int>(s));
-      EXPECT_EQ(mismatch(dst.data(), s, seed++), SIZE_MAX) << s << " bytes";
-    }
-    std::string verdict;
-    ASSERT_TRUE(peer.channel().recv_str(&verdict, 120000));
-    EXPECT_EQ(verdict, "ok");
-    EXPECT_EQ(peer.wait_exit(30000), 0);
-    net->close_recv(recv);
-    net->close_listen(listen);
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, 0, sizes, peer, 100));
   }
 }
 
@@ -873,6 +900,29 @@ TEST(PluginProcesses, TwoProcessesDeregisterAndCloseMidTransferTenRounds) {
   net->close_send(send);
 }
 
+// The CTS entries (written by the receiver) and size records (by the sender) are counted by the
+// other end: with PONTE_STRIPE_MIN=0 at one end only, a striped protocol write produced two
+// immediates where the reader counted one, and 40 messages (more than the 32 slots) ended in a
+// corrupt CTS or a hang. Protocol writes are never striped now (issue 10, item 7).
+TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  VDeviceProps vp{};
+  vp.ndevs = 2;
+  int dev = -1;
+  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  const std::vector<size_t> sizes(40, 3000);
+  {  // the peer receives (writes CTS entries striped)
+    Peer peer({"recv", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
+    ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, dev, sizes, peer));
+  }
+  {  // the peer sends (writes size records striped)
+    Peer peer({"send", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, dev, sizes, peer, 0));
+  }
+}
+
 TEST(PluginProcesses, V8TableMovesData) {
   // v8 (NCCL 2.19-2.21) takes a reference that is never finalized: run it in its own process.
   Peer peer({"v8"});
@@ -885,22 +935,6 @@ TEST(PluginProcesses, V8TableMovesData) {
 
 // ---- peer roles (this binary started with --ponte-peer) ---------------------------------------
 
-// One receive of s bytes (tag 0) checked against fill(seed); "" or what went wrong.
-std::string receive_verified(const Net& net, void* recv, size_t s, uint32_t seed) {
-  Buffer dst(net, recv, s);
-  void* data[1] = {dst.data()};
-  size_t cap[1] = {s};
-  int tags[1] = {0};
-  void* mhs[1] = {dst.mh()};
-  void* req = nullptr;
-  int got[8] = {-1};
-  if (post_recv(net, recv, 1, data, cap, tags, mhs, &req) != kSuccess ||
-      wait_request(net, req, got) != kSuccess)
-    return "receive of " + std::to_string(s);
-  if (got[0] != static_cast<int>(s) || mismatch(dst.data(), s, seed) != SIZE_MAX)
-    return "data of " + std::to_string(s);
-  return "";
-}
 
 int peer_main(int argc, char** argv) {
   set_test_environment();
@@ -1053,8 +1087,14 @@ int peer_main(int argc, char** argv) {
   if (role == "send" || role == "send_forever") {
     std::vector<uint8_t> handle;
     if (!ch.recv(&handle) || handle.size() != kHandleMaxSize) return fail("handle");
+    int dev = 0;  // optional argv[4]: connect from a device fused from that many NICs
+    if (argc > 4 && std::atoi(argv[4]) > 1) {
+      VDeviceProps vp{};
+      vp.ndevs = std::atoi(argv[4]);
+      if (net->make_vdevice(&dev, &vp) != kSuccess) return fail("makeVDevice");
+    }
     void* send = nullptr;
-    if (connect_comm(net, 0, handle.data(), &send) != kSuccess) return fail("connect");
+    if (connect_comm(net, dev, handle.data(), &send) != kSuccess) return fail("connect");
     if (role == "send_forever") {
       Buffer src(net, send, kMiB);
       for (;;) {
