@@ -42,7 +42,7 @@ int run_peer(int argc, char** argv) {
   std::string verdict;
   {
     auto c = Communicator::create(rank, W, channel_allgather(ch, W),
-                                  comm_options(s, scenario == "kill" ? kKillTimeoutMs : kTimeoutMs));
+                                  comm_options(s, scenario == "kill" ? kKillTimeoutMs : kTimeoutMs, rank));
     if (!c.ok()) {
       ch.send_str(std::string("communicator: ") + c.status().message());
       return 3;
@@ -78,7 +78,7 @@ class CollectivesTest : public ::testing::TestWithParam<Param> {
     }
     std::string verdict;
     {
-      auto c = Communicator::create(0, W, hub_allgather(ranks), comm_options(p.setup, scenario == "kill" ? kKillTimeoutMs : kTimeoutMs));
+      auto c = Communicator::create(0, W, hub_allgather(ranks), comm_options(p.setup, scenario == "kill" ? kKillTimeoutMs : kTimeoutMs, 0));
       if (!c.ok()) {
         std::string why = c.status().message();
         for (size_t r = 0; r < ranks.size(); r++) {

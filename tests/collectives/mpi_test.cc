@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   std::string verdict;
   {
-    auto c = Communicator::create(rank, world, mpi_allgather(MPI_COMM_WORLD), comm_options(setup_by_name("tcp_rxm"), kTimeoutMs));
+    auto c = Communicator::create(rank, world, mpi_allgather(MPI_COMM_WORLD), comm_options(setup_by_name("tcp_rxm"), kTimeoutMs, rank));
     if (!c.ok()) verdict = std::string("communicator: ") + c.status().message();
     if (verdict.empty()) verdict = semantics(**c);
     if (verdict.empty()) verdict = a2a_and_p2p(**c);

@@ -24,18 +24,29 @@ inline namespace scenarios {
 // ranks on two shared cores (and under TSan) need more than the engine tests' 5 s for a handshake.
 constexpr uint32_t kTimeoutMs = 20000;
 
-CommunicatorOptions comm_options(const Setup& s, uint32_t timeout_ms) {
+// The engine device of a rank: device 0 here (loopback providers); in the SoftRoCE guest rxe0 for
+// even ranks and rxe1 for odd ones (the guest's device pairs are wired A <-> B, so W = 2 there).
+std::vector<size_t> rank_devices(const Config& cfg, int rank) {
+  const char* names = getenv(rank % 2 == 0 ? "PONTE_RXE_DEVS_A" : "PONTE_RXE_DEVS_B");
+  if (cfg.backend != BackendChoice::kVerbs || !names || !*names) return {0};
+  std::string first(names, strcspn(names, ","));
+  auto be = open_verbs_backend(cfg);
+  if (be.ok())
+    for (size_t i = 0; i < (*be)->devices().size(); i++)
+      if ((*be)->devices()[i].name.rfind(first, 0) == 0) return {i};
+  return {0};
+}
+
+CommunicatorOptions comm_options(const Setup& s, uint32_t timeout_ms, int rank) {
   CommunicatorOptions o;
   o.engine.config = global_config();
   o.engine.config.backend = s.backend;
   if (!s.provider.empty()) o.engine.config.fabric_provider = s.provider;
   o.engine.config.timeout_ms = s.backend == BackendChoice::kVerbs ? 6 * timeout_ms : timeout_ms;
   o.engine.config.ctrl_addr = "127.0.0.1";
-  o.engine.groups = {{0}};
+  o.engine.groups = {rank_devices(o.engine.config, rank)};
   return o;
 }
-
-// ------------------------------------------------------------------ inputs every rank can rebuild
 
 constexpr int kMaxTokens = 12;
 constexpr int kHidden = 24;
