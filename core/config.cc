@@ -97,6 +97,7 @@ Result<Config> Config::from_env() {
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_TIMEOUT_MS", 3600u * 1000u, &c.timeout_ms));
   if (c.timeout_ms == 0) return Status(Code::kInvalidArgument, "PONTE_TIMEOUT_MS must be > 0");
   if (const char* v = env("PONTE_CTRL_ADDR")) c.ctrl_addr = v;
+  if (const char* v = env("PONTE_JOB_KEY")) c.job_key = v;
   if (const char* v = env("PONTE_SOCKET_IFNAME")) c.socket_ifname = v;
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_SPIN_US", 10u * 1000u * 1000u, &c.spin_us));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_QUEUE_DEPTH", 1u << 20, &c.queue_depth));

@@ -29,6 +29,7 @@ struct Config {
   size_t stripe_min_bytes = 256 * 1024;          // PONTE_STRIPE_MIN: below this, one NIC per write
   uint32_t timeout_ms = 30000;                   // PONTE_TIMEOUT_MS: op / peer / connect timeout
   std::string ctrl_addr;                         // PONTE_CTRL_ADDR: IP advertised for the peer socket
+  std::string job_key;                           // PONTE_JOB_KEY: shared control-socket key (never logged)
   std::string socket_ifname;                     // PONTE_SOCKET_IFNAME: interface for that IP
   uint32_t spin_us = 200;                        // PONTE_SPIN_US: busy-poll this long after work
   uint32_t queue_depth = 8192;                   // PONTE_QUEUE_DEPTH: submission ring entries

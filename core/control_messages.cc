@@ -1,19 +1,49 @@
-// Encoding and strict decoding of the control connection's messages (HELLO, BYE).
+// Encoding and strict decoding of the control connection's messages (CHALLENGE, AUTH, HELLO, BYE).
 #include "core/control_messages.h"
+
+#include <algorithm>
 
 #include "core/wire.h"
 
 namespace ponte {
 
+static constexpr size_t kHeader = 4;
 static constexpr size_t kMaxBlobs = 255;
 
+static void put_header(WireWriter& w, ControlType type) {
+  w.u8(kControlVersion);
+  w.u8(static_cast<uint8_t>(type));
+  w.u16(0);  // total, patched when the message is complete
+}
+
+static std::vector<uint8_t> fixed_message(ControlType type, std::span<const uint8_t> body) {
+  std::vector<uint8_t> out;
+  WireWriter w(out);
+  put_header(w, type);
+  w.bytes(body);
+  w.patch_u16(2, static_cast<uint16_t>(out.size()));
+  return out;
+}
+
 Result<ControlType> peek_control_type(std::span<const uint8_t> b) {
-  if (b.size() < 2) return Status(Code::kInvalidArgument, "control message: %zu bytes is truncated", b.size());
+  if (b.size() < kHeader) return Status(Code::kInvalidArgument, "control message: %zu bytes is truncated", b.size());
   if (b[0] != kControlVersion)
     return Status(Code::kInvalidArgument, "control message: unsupported version %u (this ponte speaks %u)", b[0], kControlVersion);
-  if (b[1] != static_cast<uint8_t>(ControlType::kHello) && b[1] != static_cast<uint8_t>(ControlType::kBye))
+  if (b[1] < static_cast<uint8_t>(ControlType::kHello) || b[1] > static_cast<uint8_t>(ControlType::kAuth))
     return Status(Code::kInvalidArgument, "control message: unknown type %u", b[1]);
+  const size_t total = static_cast<size_t>(b[2]) | (static_cast<size_t>(b[3]) << 8);
+  if (total != b.size())
+    return Status(Code::kInvalidArgument, "control message: length field %zu but %zu bytes", total, b.size());
   return static_cast<ControlType>(b[1]);
+}
+
+// The body of a message of the given type, after its header.
+static Result<std::span<const uint8_t>> body_of(std::span<const uint8_t> b, ControlType want, const char* what) {
+  auto type = peek_control_type(b);
+  if (!type.ok()) return type.status();
+  if (*type != want)
+    return Status(Code::kInvalidArgument, "control message: type %u where %s was expected", b[1], what);
+  return b.subspan(kHeader);
 }
 
 Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m) {
@@ -21,9 +51,7 @@ Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m) {
     return Status(Code::kInvalidArgument, "hello: %zu address bytes, %zu blobs", m.address.size(), m.blobs.size());
   std::vector<uint8_t> out;
   WireWriter w(out);
-  w.u8(kControlVersion);
-  w.u8(static_cast<uint8_t>(ControlType::kHello));
-  w.u16(0);
+  put_header(w, ControlType::kHello);
   w.u32(m.id_for_receiver);
   w.u32(m.epoch);
   w.u16(static_cast<uint16_t>(m.address.size()));
@@ -34,16 +62,15 @@ Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m) {
     w.u16(static_cast<uint16_t>(b.size()));
     w.bytes(b);
   }
+  if (out.size() > UINT16_MAX) return Status(Code::kInvalidArgument, "hello: %zu bytes is too long", out.size());
+  w.patch_u16(2, static_cast<uint16_t>(out.size()));
   return out;
 }
 
 Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes) {
-  auto type = peek_control_type(bytes);
-  if (!type.ok()) return type.status();
-  if (*type != ControlType::kHello) return Status(Code::kInvalidArgument, "control message: type %u where a hello was expected", bytes[1]);
-  WireReader r(bytes);
-  r.skip(2);
-  uint16_t reserved = r.u16();
+  auto body = body_of(bytes, ControlType::kHello, "a hello");
+  if (!body.ok()) return body.status();
+  WireReader r(*body);
   HelloMsg m;
   m.id_for_receiver = r.u32();
   m.epoch = r.u32();
@@ -51,7 +78,6 @@ Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes) {
   auto addr = r.bytes(alen);
   uint8_t nblobs = r.u8();
   if (!r.ok()) return Status(Code::kInvalidArgument, "hello: %zu bytes is truncated", bytes.size());
-  if (reserved != 0) return Status(Code::kInvalidArgument, "hello: reserved field is %u", reserved);
   if (alen == 0) return Status(Code::kInvalidArgument, "hello: no group address");
   m.address.assign(addr.begin(), addr.end());
   m.blobs.reserve(nblobs);
@@ -65,14 +91,35 @@ Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes) {
   return m;
 }
 
-std::vector<uint8_t> encode_bye() { return {kControlVersion, static_cast<uint8_t>(ControlType::kBye)}; }
+std::vector<uint8_t> encode_bye() { return fixed_message(ControlType::kBye, {}); }
 
 Status decode_bye(std::span<const uint8_t> bytes) {
-  auto type = peek_control_type(bytes);
-  if (!type.ok()) return type.status();
-  if (*type != ControlType::kBye || bytes.size() != 2)
-    return Status(Code::kInvalidArgument, "control message: not a goodbye (type %u, %zu bytes)", bytes[1], bytes.size());
+  auto body = body_of(bytes, ControlType::kBye, "a goodbye");
+  if (!body.ok()) return body.status();
+  if (!body->empty()) return Status(Code::kInvalidArgument, "goodbye: %zu trailing bytes", body->size());
   return Status::Ok();
+}
+
+std::vector<uint8_t> encode_challenge(const Challenge& c) { return fixed_message(ControlType::kChallenge, c); }
+
+Result<Challenge> decode_challenge(std::span<const uint8_t> bytes) {
+  auto body = body_of(bytes, ControlType::kChallenge, "a challenge");
+  if (!body.ok()) return body.status();
+  Challenge c;
+  if (body->size() != c.size()) return Status(Code::kInvalidArgument, "challenge: %zu bytes, expected %zu", body->size(), c.size());
+  std::copy(body->begin(), body->end(), c.begin());
+  return c;
+}
+
+std::vector<uint8_t> encode_auth(const Sha256Digest& proof) { return fixed_message(ControlType::kAuth, proof); }
+
+Result<Sha256Digest> decode_auth(std::span<const uint8_t> bytes) {
+  auto body = body_of(bytes, ControlType::kAuth, "an authentication proof");
+  if (!body.ok()) return body.status();
+  Sha256Digest d;
+  if (body->size() != d.size()) return Status(Code::kInvalidArgument, "proof: %zu bytes, expected %zu", body->size(), d.size());
+  std::copy(body->begin(), body->end(), d.begin());
+  return d;
 }
 
 }  // namespace ponte

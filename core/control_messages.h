@@ -1,22 +1,27 @@
-// The messages of a peer's control connection (core/control_socket.h frames them): HELLO, one
-// handshake round with the sender's group address and connect blobs, and BYE. Versioned, strict.
+// The messages of a peer's control connection (core/control_socket.h frames them): the acceptor's
+// CHALLENGE and the connector's AUTH (core/control_auth.h), then HELLO, one handshake round with
+// the sender's group address and connect blobs, and BYE. Versioned, with a length, decoded strictly.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "core/control_auth.h"
 #include "core/status.h"
 
 namespace ponte {
 
-constexpr uint8_t kControlVersion = 1;
-enum class ControlType : uint8_t { kHello = 1, kBye = 2 };
+// Version 2 added CHALLENGE/AUTH and HELLO's length; a version-1 peer is refused by both sides.
+constexpr uint8_t kControlVersion = 2;
+enum class ControlType : uint8_t { kHello = 1, kBye = 2, kChallenge = 3, kAuth = 4 };
 
-// HELLO: u8 version, u8 type 1, u16 0, u32 id the sender gave the receiver, u32 epoch (handshake
-// round), u16 address length, the sender's group address, u8 blob count, count x (u16 length,
-// connect blob). Nothing may follow.
-// BYE: u8 version, u8 type 2: the sender's engine is shutting down (an orderly close).
+// Every message starts u8 version, u8 type, u16 total length (little endian).
+// CHALLENGE (acceptor -> connector, first on every accepted connection): 16 random bytes.
+// AUTH (connector -> acceptor, its first message): the 32-byte proof (auth_proof).
+// HELLO: u32 id the sender gave the receiver, u32 epoch (handshake round), u16 address length,
+//   the sender's group address, u8 blob count, count x (u16 length, connect blob).
+// BYE: nothing more: the sender's engine is shutting down (an orderly close).
 struct HelloMsg {
   uint32_t id_for_receiver = 0;  // travels as the immediate of the receiver's sends to the sender
   uint32_t epoch = 0;
@@ -25,11 +30,17 @@ struct HelloMsg {
   friend bool operator==(const HelloMsg&, const HelloMsg&) = default;
 };
 
-// The type of a control message, after checking its version.
+// The type of a control message, after checking its version and length field.
 Result<ControlType> peek_control_type(std::span<const uint8_t> bytes);
 Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m);
 Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes);
 std::vector<uint8_t> encode_bye();
 Status decode_bye(std::span<const uint8_t> bytes);
+std::vector<uint8_t> encode_challenge(const Challenge& c);
+Result<Challenge> decode_challenge(std::span<const uint8_t> bytes);
+std::vector<uint8_t> encode_auth(const Sha256Digest& proof);
+Result<Sha256Digest> decode_auth(std::span<const uint8_t> bytes);
+// The largest AUTH frame payload: what an unauthenticated connection may make the acceptor read.
+constexpr uint32_t kMaxAuthMessage = 64;
 
 }  // namespace ponte

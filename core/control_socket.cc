@@ -183,7 +183,7 @@ Result<bool> ControlSocket::recv_message(std::vector<uint8_t>* msg) {
   for (;;) {
     // Deliver a complete message first.
     std::span<const uint8_t> payload;
-    auto took = take_frame(in_, kMaxControlMessage, &payload);
+    auto took = take_frame(in_, max_message_, &payload);
     if (!took.ok()) return took.status();
     if (*took > 0) {
       msg->assign(payload.begin(), payload.end());

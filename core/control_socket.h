@@ -55,10 +55,14 @@ class ControlSocket {
   Result<bool> recv_message(std::vector<uint8_t>* msg);
   Status flush();
   void close();
+  // The largest message recv_message accepts (kMaxControlMessage unless lowered: an acceptor
+  // reads no more than a proof from a connection that has not authenticated yet).
+  void set_max_message(uint32_t bytes) { max_message_ = bytes; }
 
  private:
   int fd_ = -1;
   bool connecting_ = false;
+  uint32_t max_message_ = kMaxControlMessage;
   std::vector<uint8_t> in_;
   std::vector<uint8_t> out_;
 };

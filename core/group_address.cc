@@ -8,7 +8,7 @@
 
 namespace ponte {
 
-static constexpr uint8_t kAddressVersion = 1;
+static constexpr uint8_t kAddressVersion = 2;
 static constexpr uint8_t kAddressKind = 'A';
 
 std::vector<uint8_t> GroupAddress::encode() const {
@@ -25,6 +25,8 @@ std::vector<uint8_t> GroupAddress::encode() const {
   w.u16(port);
   w.bytes(std::span<const uint8_t>(ip, 16));
   w.u64(max_msg);
+  w.u8(static_cast<uint8_t>(auth_kind));
+  w.u64(auth_secret);
   for (size_t i = 0; i < nic_addrs.size(); i++) {
     w.u16(static_cast<uint16_t>(nic_addrs[i].size()));
     w.bytes(nic_addrs[i]);
@@ -55,7 +57,14 @@ Result<GroupAddress> GroupAddress::decode(std::span<const uint8_t> bytes) {
   a.port = r.u16();
   auto ip = r.bytes(16);
   a.max_msg = r.u64();
+  uint8_t auth = r.u8();
+  a.auth_secret = r.u64();
   if (!r.ok()) return Status(Code::kInvalidArgument, "group address: truncated header");
+  const bool auth_ok = (auth == static_cast<uint8_t>(AuthKind::kSecret) && a.auth_secret != 0) ||
+                       (auth == static_cast<uint8_t>(AuthKind::kJobKey) && a.auth_secret == 0);
+  if (!auth_ok)
+    return Status(Code::kInvalidArgument, "group address: bad authentication kind %u", auth);
+  a.auth_kind = static_cast<AuthKind>(auth);
   if (backend != static_cast<uint8_t>(BackendKind::kFabric) && backend != static_cast<uint8_t>(BackendKind::kVerbs))
     return Status(Code::kInvalidArgument, "group address: unknown backend %u", backend);
   a.backend = static_cast<BackendKind>(backend);

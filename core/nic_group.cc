@@ -35,6 +35,9 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
 NicGroup::~NicGroup() { stop(); }
 
 Status NicGroup::start(const std::vector<int>& cores) {
+  auto key = AuthKey::create(cfg_.job_key);
+  if (!key.ok()) return key.status();
+  auth_ = *key;
   auto lf = control_listen(cfg_, &ctrl_);
   if (!lf.ok()) return lf.status();
   listen_fd_ = *lf;
@@ -75,6 +78,8 @@ Status NicGroup::start(const std::vector<int>& cores) {
   for (auto& n : nics_)
     if (n->info().max_msg_size) max_msg_ = std::min<uint64_t>(max_msg_, n->info().max_msg_size);
   a.max_msg = max_msg_;
+  a.auth_kind = auth_.kind;
+  a.auth_secret = auth_.secret;
   for (size_t i = 0; i < nics_.size(); i++) {
     auto b = nics_[i]->address();
     a.nic_addrs.emplace_back(b.begin(), b.end());
@@ -134,6 +139,9 @@ void NicGroup::stop() {
   for (auto& p : peers_)  // linger() said goodbye to those that were ready
     for (auto& sock : p.sock) sock.close();
   pending_.clear();
+  if (uninvited_ > 1)
+    PONTE_LOG_INFO("group %d: dropped %llu control connections that did not prove they were invited", index_,
+                   static_cast<unsigned long long>(uninvited_));
   for (size_t i = 0; i < recv_mrs_.size(); i++) nics_[i]->deregister(recv_mrs_[i].nic_mrs[i]);
   recv_mrs_.clear();
   if (listen_fd_ >= 0) close(listen_fd_);

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/control_auth.h"
+#include "core/control_messages.h"
 #include "core/control_socket.h"
 #include "core/engine.h"
 #include "core/group_address.h"
@@ -97,6 +99,9 @@ class NicGroup {
     bool backend_connected = false;
     bool hello_received = false;
     bool hello_sent = false;
+    AuthKey auth;                  // outbound: the key the peer's address names
+    bool out_connected = false;    // outbound: the connect completed (sock[0] watched for input)
+    bool out_authed = false;       // outbound: the peer's challenge was answered
     bool orderly_close = false;  // the peer said goodbye before closing, or we did
     std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
     std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
@@ -124,9 +129,13 @@ class NicGroup {
     uint32_t run_next = kNoSlot;              // runnable FIFO
   };
   static constexpr uint32_t kNoSlot = 0xffffffffu;
+  // An accepted connection until its HELLO names the peer: first it must answer the challenge
+  // sent on accept (see control_auth.h), within a short window, in one small frame.
   struct PendingSocket {
     std::unique_ptr<ControlSocket> sock;
     std::chrono::steady_clock::time_point deadline;
+    Challenge challenge{};
+    bool authed = false;
   };
 
   void run();
@@ -144,15 +153,20 @@ class NicGroup {
   void poll_control(std::chrono::steady_clock::time_point now);
   void service_peer(PeerId p, int which);
   void end_drains(std::chrono::steady_clock::time_point now);
-  Status handle_hello(PeerId p, int which, std::span<const uint8_t> msg);
+  Status handle_hello(PeerId p, int which, const HelloMsg& msg);
+  Status answer_challenge(PeerId p);
   Status send_hello(PeerId p, int which);
   void start_reconnect(PeerId p, const char* why);
   void reset_backend_peer(PeerId p);  // drops the peer from every NIC (re-added by attach_backend)
   void learn_address(Peer& p, const GroupAddress& addr);
   Status attach_backend(PeerId p);
   void peer_died(PeerId p, Code code, const char* why);
-  void accept_new();
-  void service_pending(std::chrono::steady_clock::time_point now);
+  void accept_new(std::chrono::steady_clock::time_point now);
+  void service_pending(size_t i, std::chrono::steady_clock::time_point now);
+  void adopt_pending(size_t i, const HelloMsg& hello, std::chrono::steady_clock::time_point now);
+  void expire_pending(std::chrono::steady_clock::time_point now);
+  void drop_pending(size_t i, const char* uninvited_why);
+  void note_uninvited(const char* why);
   PeerId find_peer(uint64_t nonce, uint8_t group) const;
   uint32_t alloc_slot();
   void sleep_idle(uint32_t us);
@@ -183,6 +197,11 @@ class NicGroup {
   std::vector<Peer> peers_;
   std::atomic<uint32_t> next_peer_{0};
   std::vector<PendingSocket> pending_;
+  AuthKey auth_;                 // what an accepted connection must prove
+  uint64_t uninvited_ = 0;       // connections dropped for not proving it (the first is logged)
+  bool listen_paused_ = false;   // out of descriptors: the port is not watched until listen_resume_
+  std::chrono::steady_clock::time_point listen_resume_;
+  std::chrono::steady_clock::time_point last_pending_scan_;
   std::vector<uint8_t> msg_;  // control message scratch
 
   ImmCounterTable imm_;

@@ -2,6 +2,7 @@
 // exchange, and the reconnect rounds (epochs) that rebuild a failed connection.
 #include "core/nic_group.h"
 
+#include <errno.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -10,12 +11,13 @@
 #include <algorithm>
 
 #include "core/log.h"
-#include "core/wire.h"
 #include "core/nic_group_internal.h"
 
 namespace ponte {
 
 Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
+  auto key = AuthKey::for_peer(addr.auth_kind, addr.auth_secret, cfg_.job_key);
+  if (!key.ok()) return key.status();
   PeerId id = next_peer_.fetch_add(1, std::memory_order_relaxed);
   if (id >= kMaxPeers) {
     next_peer_.store(kMaxPeers, std::memory_order_relaxed);
@@ -25,6 +27,7 @@ Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
   // the queue): the worker sees all of it and no thread writes it again concurrently.
   Peer& p = peers_[id];
   learn_address(p, addr);
+  p.auth = *key;
   p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
   p.state.store(kConnecting, std::memory_order_release);
   return id;
@@ -87,24 +90,19 @@ Status NicGroup::attach_backend(PeerId id) {
 Status NicGroup::send_hello(PeerId id, int which) {
   Peer& p = peers_[id];
   PONTE_RETURN_IF_ERROR(attach_backend(id));
-  std::vector<uint8_t> msg;
-  WireWriter w(msg);
-  w.u8(kHelloVersion);
-  w.u8(kHelloType);
-  w.u16(0);
-  w.u32(id);  // the id we gave the peer: its sends to us carry it
-  w.u32(p.epoch);
-  w.u16(static_cast<uint16_t>(address_bytes_.size()));
-  w.bytes(address_bytes_);
+  HelloMsg m;
+  m.id_for_receiver = id;  // the id we gave the peer: its sends to us carry it
+  m.epoch = p.epoch;
+  m.address = address_bytes_;
   int n = p.nics.load(std::memory_order_relaxed);
-  w.u8(static_cast<uint8_t>(n));
   for (int k = 0; k < n; k++) {
     auto blob = nics_[k]->connect_blob(p.nic_peer[k]);
     if (!blob.ok()) return blob.status();
-    w.u16(static_cast<uint16_t>(blob->size()));
-    w.bytes(*blob);
+    m.blobs.push_back(std::move(*blob));
   }
-  PONTE_RETURN_IF_ERROR(p.sock[which].send_message(msg));
+  auto msg = encode_hello(m);
+  if (!msg.ok()) return msg.status();
+  PONTE_RETURN_IF_ERROR(p.sock[which].send_message(*msg));
   p.sock_hello_sent[which] = true;
   p.hello_sent = true;
   return Status::Ok();
@@ -119,26 +117,33 @@ void NicGroup::learn_address(Peer& p, const GroupAddress& addr) {
                std::memory_order_release);
 }
 
-Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg) {
+// Answers the challenge on an outbound connection (the first message the acceptor sends), then
+// says hello.
+Status NicGroup::answer_challenge(PeerId id) {
   Peer& p = peers_[id];
-  WireReader r(msg);
-  uint8_t version = r.u8();
-  uint8_t type = r.u8();
-  r.u16();
-  uint32_t their_id_for_us = r.u32();
-  uint32_t epoch = r.u32();
-  uint16_t alen = r.u16();
-  auto abytes = r.bytes(alen);
-  if (!r.ok() || version != kHelloVersion || type != kHelloType)
-    return Status(Code::kInvalidArgument, "bad handshake message (version %u type %u)", version, type);
-  auto addr = GroupAddress::decode(abytes);
+  auto challenge = decode_challenge(msg_);
+  if (!challenge.ok())
+    return Status(Code::kPeerDead, "the peer did not challenge this connection (%s): not a ponte of this version",
+                  challenge.status().message());
+  auto proof = auth_proof(p.auth, *challenge, p.addr.engine_nonce, p.addr.group);
+  PONTE_RETURN_IF_ERROR(p.sock[0].send_message(encode_auth(proof)));
+  p.out_authed = true;
+  return send_hello(id, 0);
+}
+
+Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
+  Peer& p = peers_[id];
+  const uint32_t their_id_for_us = msg.id_for_receiver;
+  const uint32_t epoch = msg.epoch;
+  auto addr = GroupAddress::decode(msg.address);
   if (!addr.ok()) return addr.status();
   if (addr->backend != backend_)
     return Status(Code::kInvalidArgument, "peer runs the %s backend, this group %s", backend_name(addr->backend), backend_name(backend_));
   if (!p.addr_known) learn_address(p, *addr);
   int n = p.nics.load(std::memory_order_relaxed);
-  uint8_t nblobs = r.u8();
-  if (!r.ok() || nblobs < n) return Status(Code::kInvalidArgument, "handshake: %u connect blobs for %d NICs", nblobs, n);
+  const size_t nblobs = msg.blobs.size();
+  if (nblobs < static_cast<size_t>(n))
+    return Status(Code::kInvalidArgument, "handshake: %zu connect blobs for %d NICs", nblobs, n);
   PONTE_RETURN_IF_ERROR(attach_backend(id));
   p.remote_tag = their_id_for_us;
   p.hello_received = true;
@@ -165,12 +170,7 @@ Status NicGroup::handle_hello(PeerId id, int which, std::span<const uint8_t> msg
   if (!p.sock_hello_sent[which] && !answered) PONTE_RETURN_IF_ERROR(send_hello(id, which));
   if (!first && epoch < p.epoch) return Status::Ok();  // stale round: ours supersedes it
   if (!p.backend_connected) {
-    for (int k = 0; k < nblobs; k++) {
-      uint16_t blen = r.u16();
-      auto blob = r.bytes(blen);
-      if (!r.ok()) return Status(Code::kInvalidArgument, "handshake: truncated connect blob %d", k);
-      if (k < n) PONTE_RETURN_IF_ERROR(nics_[k]->complete_connect(p.nic_peer[k], blob));
-    }
+    for (int k = 0; k < n; k++) PONTE_RETURN_IF_ERROR(nics_[k]->complete_connect(p.nic_peer[k], msg.blobs[k]));
     p.backend_connected = true;
   }
   if (p.hello_sent && p.backend_connected && p.state.load(std::memory_order_relaxed) == kConnecting) {
@@ -203,75 +203,133 @@ void NicGroup::start_reconnect(PeerId id, const char* why) {
   if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
 }
 
-void NicGroup::accept_new() {
+
+// ---------------------------------------------------------------- accepted connections
+// Each is challenged at once and must answer in one small frame within the auth window (see
+// control_auth.h); until then it holds a descriptor and a challenge, nothing else, and costs the
+// worker a read only when it sends something.
+
+void NicGroup::note_uninvited(const char* why) {
+  if (uninvited_++ == 0)
+    PONTE_LOG_WARN("group %d: dropped a control connection that did not prove it was invited: %s "
+                   "(later ones are counted, not logged)", index_, why);
+}
+
+void NicGroup::drop_pending(size_t i, const char* uninvited_why) {
+  if (uninvited_why) note_uninvited(uninvited_why);
+  if (pending_[i].sock->open()) epoll_del(pending_[i].sock->fd());
+  pending_.erase(pending_.begin() + static_cast<long>(i));  // closes the socket
+}
+
+void NicGroup::accept_new(Clock::time_point now) {
   for (;;) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // The port stays readable while the connection waits in the backlog: rest it rather than
+        // spin on it, and let the pending ones expire meanwhile.
+        PONTE_LOG_WARN("group %d: cannot accept a control connection: %s (ulimit -n?); retrying in %u ms",
+                       index_, strerror(errno), kListenPauseMs);
+        epoll_del(listen_fd_);
+        listen_paused_ = true;
+        listen_resume_ = now + std::chrono::milliseconds(kListenPauseMs);
+      }
+      return;
+    }
+    if (pending_.size() >= kMaxPending) {
+      ::close(fd);
+      note_uninvited("too many connections waiting to authenticate");
+      continue;
+    }
     PendingSocket ps;
     ps.sock = std::make_unique<ControlSocket>();
     ps.sock->adopt(fd);
-    ps.deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
-    epoll_add(fd, kPendingTag);
+    ps.sock->set_max_message(kMaxAuthMessage);
+    ps.deadline = now + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kAuthWindowMs));
+    Status st = random_bytes(ps.challenge);
+    if (st.ok()) st = ps.sock->send_message(encode_challenge(ps.challenge));
+    if (!st.ok()) {
+      note_uninvited(st.message());
+      continue;  // ps closes the socket
+    }
+    epoll_add(fd, kPendingBit | static_cast<uint64_t>(fd));
     pending_.push_back(std::move(ps));
   }
 }
 
-void NicGroup::service_pending(Clock::time_point now) {
-  for (size_t i = 0; i < pending_.size();) {
+void NicGroup::service_pending(size_t i, Clock::time_point now) {
+  for (;;) {
     PendingSocket& ps = pending_[i];
     auto got = ps.sock->recv_message(&msg_);
-    bool drop = !got.ok() || now > ps.deadline;
-    if (!drop && *got) {
-      // The first message names the peer: find it (we may have connected to it too) or add it.
-      WireReader r(msg_);
-      r.skip(kHelloHeaderBytes);
-      uint16_t alen = r.u16();
-      auto abytes = r.bytes(alen);
-      auto addr = r.ok() ? GroupAddress::decode(abytes) : Result<GroupAddress>(Status(Code::kInvalidArgument, "short hello"));
-      if (!addr.ok()) {
-        PONTE_LOG_WARN("group %d: dropping a control connection: %s", index_, addr.status().message());
-        drop = true;
-      } else {
-        PeerId id = find_peer(addr->engine_nonce, addr->group);
-        if (id == kAnyPeer) {
-          id = next_peer_.fetch_add(1, std::memory_order_relaxed);
-          if (id >= kMaxPeers) {
-            PONTE_LOG_WARN("group %d: refusing a peer: more than %u peers", index_, kMaxPeers);
-            drop = true;
-          } else {
-            Peer& p = peers_[id];
-            p.inbound = true;
-            p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
-            p.state.store(kConnecting, std::memory_order_release);
-          }
-        }
-        if (!drop) {
-          Peer& p = peers_[id];
-          int which = p.sock[0].open() ? 1 : 0;
-          if (p.sock[which].open()) {
-            drop = true;  // a third connection from the same peer: not ours
-          } else {
-            int fd = ps.sock->fd();
-            epoll_del(fd);
-            p.sock[which].adopt(dup(fd));
-            ps.sock->close();
-            epoll_add(p.sock[which].fd(), (static_cast<uint64_t>(id) << 1) | static_cast<uint64_t>(which));
-            Status st = handle_hello(id, which, msg_);
-            if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
-            pending_.erase(pending_.begin() + static_cast<long>(i));
-            continue;
-          }
-        }
-      }
+    if (!got.ok()) return drop_pending(i, ps.authed ? nullptr : got.status().message());
+    if (!*got) return;
+    if (!ps.authed) {
+      auto proof = decode_auth(msg_);
+      if (!proof.ok()) return drop_pending(i, proof.status().message());
+      if (!constant_time_equal(*proof, auth_proof(auth_, ps.challenge, engine_nonce_, static_cast<uint8_t>(index_))))
+        return drop_pending(i, "wrong proof (another job's key, a stale address or a replay)");
+      ps.authed = true;
+      ps.sock->set_max_message(kMaxControlMessage);
+      ps.deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+      continue;  // its hello may have arrived with the proof
     }
-    if (drop) {
-      if (ps.sock->open()) epoll_del(ps.sock->fd());
-      pending_.erase(pending_.begin() + static_cast<long>(i));
-      continue;
+    auto hello = decode_hello(msg_);
+    if (!hello.ok()) {
+      PONTE_LOG_WARN("group %d: dropping a control connection: %s", index_, hello.status().message());
+      return drop_pending(i, nullptr);
     }
-    i++;
+    return adopt_pending(i, *hello, now);
   }
 }
+
+// The first hello names the peer: find it (we may have connected to it too) or add it, and move
+// the connection to it.
+void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point now) {
+  auto addr = GroupAddress::decode(hello.address);
+  if (!addr.ok()) {
+    PONTE_LOG_WARN("group %d: dropping a control connection: %s", index_, addr.status().message());
+    return drop_pending(i, nullptr);
+  }
+  PeerId id = find_peer(addr->engine_nonce, addr->group);
+  if (id == kAnyPeer) {
+    id = next_peer_.fetch_add(1, std::memory_order_relaxed);
+    if (id >= kMaxPeers) {
+      PONTE_LOG_WARN("group %d: refusing a peer: more than %u peers", index_, kMaxPeers);
+      return drop_pending(i, nullptr);
+    }
+    Peer& p = peers_[id];
+    p.inbound = true;
+    p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+    p.state.store(kConnecting, std::memory_order_release);
+  }
+  Peer& p = peers_[id];
+  int which = p.sock[0].open() ? 1 : 0;
+  if (p.sock[which].open()) return drop_pending(i, nullptr);  // a third connection from the same peer: not ours
+  int fd = pending_[i].sock->fd();
+  epoll_del(fd);
+  p.sock[which].adopt(dup(fd));
+  pending_.erase(pending_.begin() + static_cast<long>(i));
+  epoll_add(p.sock[which].fd(), (static_cast<uint64_t>(id) << 1) | static_cast<uint64_t>(which));
+  Status st = handle_hello(id, which, hello);
+  if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
+}
+
+void NicGroup::expire_pending(Clock::time_point now) {
+  if (listen_paused_ && now >= listen_resume_) {
+    listen_paused_ = false;
+    epoll_add(listen_fd_, kListenTag);
+  }
+  for (size_t i = 0; i < pending_.size();) {
+    if (now <= pending_[i].deadline) {
+      i++;
+      continue;
+    }
+    if (pending_[i].authed) PONTE_LOG_WARN("group %d: dropping a control connection: no hello within PONTE_TIMEOUT_MS", index_);
+    drop_pending(i, pending_[i].authed ? nullptr : "no proof within the authentication window");
+  }
+}
+
+// ---------------------------------------------------------------- peers' connections
 
 void NicGroup::service_peer(PeerId id, int which) {
   Peer& p = peers_[id];
@@ -279,10 +337,11 @@ void NicGroup::service_peer(PeerId id, int which) {
   auto conn = p.sock[which].poll_connected();
   if (!conn.ok()) return peer_died(id, Code::kPeerDead, conn.status().message());
   if (!*conn) return;
-  if (!p.sock_hello_sent[which] && !p.inbound && which == 0) {
-    Status st = send_hello(id, which);
-    if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
-    // Connected: stop watching for writability (level-triggered, it would never let us sleep).
+  const bool outbound = !p.inbound && which == 0;
+  if (outbound && !p.out_connected) {
+    // Connected: the acceptor speaks first (its challenge). Stop watching for writability
+    // (level-triggered, it would never let us sleep).
+    p.out_connected = true;
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.u64 = static_cast<uint64_t>(id) << 1;
@@ -292,13 +351,26 @@ void NicGroup::service_peer(PeerId id, int which) {
   if (!fl.ok()) return peer_died(id, Code::kPeerDead, fl.message());
   for (;;) {
     auto got = p.sock[which].recv_message(&msg_);
-    if (!got.ok()) return peer_died(id, Code::kPeerDead, got.status().message());
+    if (!got.ok()) {
+      if (outbound && !p.hello_received && got.status().code() == Code::kPeerDead)
+        return peer_died(id, Code::kPeerDead,
+                         "the peer closed the control connection before its hello: a PONTE_JOB_KEY that "
+                         "differs, an address of an engine that has restarted, or another ponte version");
+      return peer_died(id, Code::kPeerDead, got.status().message());
+    }
     if (!*got) return;
-    if (msg_.size() >= 2 && msg_[0] == kHelloVersion && msg_[1] == kByeType) {
+    if (outbound && !p.out_authed) {
+      Status st = answer_challenge(id);
+      if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
+      continue;
+    }
+    if (decode_bye(msg_).ok()) {
       p.orderly_close = true;
       return peer_died(id, Code::kPeerDead, "the peer shut its engine down");
     }
-    Status st = handle_hello(id, which, msg_);
+    auto hello = decode_hello(msg_);
+    if (!hello.ok()) return peer_died(id, Code::kPeerDead, hello.status().message());
+    Status st = handle_hello(id, which, *hello);
     if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
   }
 }
@@ -306,22 +378,28 @@ void NicGroup::service_peer(PeerId id, int which) {
 void NicGroup::poll_control(Clock::time_point now) {
   epoll_event evs[64];
   int n = epoll_wait(epoll_fd_, evs, 64, 0);
-  bool pending_ready = false;
   for (int i = 0; i < n; i++) {
     uint64_t tag = evs[i].data.u64;
     if (tag == kWakeTag) {
       uint64_t v;
       if (read(wake_fd_, &v, sizeof(v)) < 0) { /* nothing to drain */ }
     } else if (tag == kListenTag) {
-      accept_new();
-      pending_ready = true;
-    } else if (tag == kPendingTag) {
-      pending_ready = true;
+      accept_new(now);
+    } else if (tag & kPendingBit) {
+      const int fd = static_cast<int>(tag & 0xffffffffu);
+      for (size_t k = 0; k < pending_.size(); k++)
+        if (pending_[k].sock->fd() == fd) {
+          service_pending(k, now);
+          break;
+        }
     } else {
       service_peer(static_cast<PeerId>(tag >> 1), static_cast<int>(tag & 1));
     }
   }
-  if (pending_ready || !pending_.empty()) service_pending(now);
+  if ((!pending_.empty() || listen_paused_) && now - last_pending_scan_ >= std::chrono::milliseconds(kPendingScanMs)) {
+    last_pending_scan_ = now;
+    expire_pending(now);
+  }
 }
 
 }  // namespace ponte

@@ -40,7 +40,7 @@ void NicGroup::linger() {
     poll_control(now);  // handshakes still under way, peers that close meanwhile
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
-  const uint8_t bye[2] = {kHelloVersion, kByeType};
+  const std::vector<uint8_t> bye = encode_bye();
   const uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n; i++) {
     Peer& p = peers_[i];
@@ -95,7 +95,7 @@ void NicGroup::run() {
       housekeeping(now);
       last_house = now;
     }
-    bool busy = active_count_ > 0 || imm_.waiting() > 0 || !pending_.empty() ||
+    bool busy = active_count_ > 0 || imm_.waiting() > 0 ||
                 now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
     if (did || busy) {
       idle_us = 0;

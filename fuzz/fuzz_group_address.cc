@@ -1,5 +1,5 @@
 // Fuzzes GroupAddress::decode (bytes a peer hands over out of band and inside every HELLO):
-// an accepted address is version 1 and re-encodes to exactly its bytes; any valid address built
+// an accepted address is version 2 and re-encodes to exactly its bytes; any valid address built
 // from the input survives encode + decode unchanged.
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const uint8_t> in(data, size);
   auto a = GroupAddress::decode(in);
   if (a.ok()) {
-    FUZZ_CHECK(size >= 2 && data[0] == 1 && data[1] == 'A');
+    FUZZ_CHECK(size >= 2 && data[0] == 2 && data[1] == 'A');
     FUZZ_CHECK(!a->nic_addrs.empty() && a->nic_addrs.size() <= static_cast<size_t>(kMaxNicsPerGroup));
     FUZZ_CHECK(a->encode() == std::vector<uint8_t>(in.begin(), in.end()));
   }
@@ -29,6 +29,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   x.port = fdp.ConsumeIntegralInRange<uint16_t>(1, UINT16_MAX);
   for (auto& b : x.ip) b = fdp.ConsumeIntegral<uint8_t>();
   x.max_msg = fdp.ConsumeIntegral<uint64_t>();
+  x.auth_kind = fdp.ConsumeBool() ? AuthKind::kJobKey : AuthKind::kSecret;
+  x.auth_secret = x.auth_kind == AuthKind::kSecret ? fdp.ConsumeIntegralInRange<uint64_t>(1, UINT64_MAX) : 0;
   const int nics = fdp.ConsumeIntegralInRange<int>(1, kMaxNicsPerGroup);
   for (int i = 0; i < nics; i++) {
     auto bytes = fdp.ConsumeBytes<uint8_t>(fdp.ConsumeIntegralInRange<size_t>(1, 64));

@@ -18,6 +18,9 @@
 #include "core/remote_region.h"
 #include "core/verbs/verbs_wire.h"
 #include "plugin/wire.h"
+#ifdef PONTE_FUZZ_COLLECTIVES
+#include "collectives/ep_layout.h"
+#endif
 
 using namespace ponte;
 using Bytes = std::vector<uint8_t>;
@@ -75,6 +78,8 @@ Bytes group_address(BackendKind backend, int nics, const Bytes& nic_addr) {
   memcpy(a.ip, ip, 4);
   a.port = 40123;
   a.max_msg = 1ull << 30;
+  a.auth_kind = nics == 4 ? AuthKind::kJobKey : AuthKind::kSecret;  // the EFA seed: PONTE_JOB_KEY
+  a.auth_secret = a.auth_kind == AuthKind::kSecret ? 0x5ec12e7c0ffee123ull : 0;
   for (int i = 0; i < nics; i++) {
     Bytes addr = nic_addr;
     addr.back() = static_cast<uint8_t>(addr.back() + i);
@@ -128,11 +133,18 @@ Seeds all_seeds() {
   s["control_messages/seed-hello-fabric"] = h_fabric;
   s["control_messages/seed-hello-verbs"] = h_verbs;
   s["control_messages/seed-bye"] = encode_bye();
+  Challenge ch;
+  for (size_t i = 0; i < ch.size(); i++) ch[i] = static_cast<uint8_t>(0xc0 + i);
+  s["control_messages/seed-challenge"] = encode_challenge(ch);
+  const auto key = must(AuthKey::for_peer(AuthKind::kSecret, 0x5ec12e7c0ffee123ull, ""));
+  const Bytes auth = encode_auth(auth_proof(key, ch, 0x9e3779b97f4a7c15ull, 0));
+  s["control_messages/seed-auth"] = auth;
 
-  Bytes stream;
+  Bytes stream;  // what a connector sends: its proof, then its hello, later its goodbye
+  append_frame(auth, &stream);
   append_frame(h_verbs, &stream);
   append_frame(encode_bye(), &stream);
-  s["control_frame/seed-hello-bye"] = stream;
+  s["control_frame/seed-auth-hello-bye"] = stream;
   Bytes one;
   append_frame(h_fabric, &one);
   s["control_frame/seed-hello"] = one;
@@ -194,6 +206,25 @@ Seeds all_seeds() {
   Bytes rec(4 + plugin::kRecordBytes);
   plugin::encode_record({123456, 3, 41}, rec.data() + 4);
   s["plugin_cts/seed-record"] = rec;
+#ifdef PONTE_FUZZ_COLLECTIVES
+  // collectives_ep_header: 14 parameter bytes (fuzz_collectives_ep_header.cc), then the header.
+  for (uint8_t phase : {kEpPhaseDispatch, kEpPhaseCombine}) {
+    const Bytes params = {1, 3, 127, 0, 0xff, 3, 1, 0, 0, static_cast<uint8_t>(phase == kEpPhaseCombine), 7, 0, 0, 0};
+    const EpShape shape = make_ep_shape(2, 8, 128, 1024, 2, DType::kBFloat16, 0);
+    const int32_t counts[4] = {10, 0, 5, 3};
+    EpBlockHeader h;
+    h.phase = phase;
+    h.rows = 18;
+    h.seq = 7;
+    h.data_imms = 1;
+    h.data_bytes = 18 * (phase == kEpPhaseDispatch ? dispatch_row_stride(shape) : combine_row_stride(shape));
+    Bytes block(ep_header_bytes(shape.local_experts));
+    write_block_header(block.data(), shape, h, counts);
+    Bytes seed = params;
+    seed.insert(seed.end(), block.begin(), block.end());
+    s[phase == kEpPhaseDispatch ? "collectives_ep_header/seed-dispatch" : "collectives_ep_header/seed-combine"] = seed;
+  }
+#endif
   return s;
 }
 

@@ -69,6 +69,7 @@ static GroupAddress sample_address() {
   a.ip[3] = 1;
   a.port = 4242;
   a.nic_addrs = {{1, 2, 3}, {4, 5, 6, 7, 8}};
+  a.auth_secret = 0xfeedf00d;
   return a;
 }
 
@@ -83,6 +84,7 @@ TEST(GroupAddress, RoundTrip) {
   EXPECT_EQ(d->port, 4242);
   EXPECT_EQ(d->ip[0], 127);
   EXPECT_EQ(d->nic_addrs, a.nic_addrs);
+  EXPECT_EQ(d->auth_secret, 0xfeedf00du);
 }
 
 TEST(GroupAddress, RejectsBadBytes) {
