@@ -58,7 +58,7 @@ struct EpBuffer::Impl {
     std::vector<int32_t> src_info;     // [L * W * max_tokens * 2]
     std::vector<int32_t> layout;       // [L * W * 2]
     std::vector<int32_t> recv_counts;  // [W * L]: rows each source sent per local expert
-    std::vector<ScatterTarget> data_targets, hdr_targets;
+    std::vector<ScatterTarget> hdr_targets;  // small blocks whole, large blocks' headers
     FlagSet sends{4};
   } slots[kSlots];
   uint64_t next_seq = 1;
@@ -107,13 +107,13 @@ struct EpBuffer::Impl {
     return st;
   }
 
-  // Posts this rank's blocks of (phase, slot) to every other rank: a small block as one write of
-  // header and rows carrying the header immediate; a large one (several immediates per write: striped)
-  // as a rows write carrying the data immediate plus a header write, the header saying how many.
+  // Posts this rank's blocks of (phase, slot) to every other rank: small blocks in one scatter, each
+  // one write of header and rows carrying the header immediate; a large one (several immediates per
+  // write: striped over the NICs) as a write_imm of its rows carrying the data immediate plus its
+  // header in the scatter, the header saying how many data immediates to expect.
   // counts: [W * L], the receiver d's counts at d * L.
   void post_blocks(int phase, int s, uint32_t seq, const int32_t* counts) {
     Slot& sl = slots[s];
-    sl.data_targets.clear();
     sl.hdr_targets.clear();
     const ImmKind hk = phase == kDispatch ? ImmKind::kDispatchHeader : ImmKind::kCombineHeader;
     const ImmKind dk = phase == kDispatch ? ImmKind::kDispatchData : ImmKind::kCombineData;
@@ -128,8 +128,13 @@ struct EpBuffer::Impl {
       // their blocks, so survivors' recv calls fail naming the dead rank, not this one.
       if (d != me && ci->engine->peer_dead(ci->group, ci->peers[d])) {
       } else if (d != me && h.data_bytes > 0 && ci->engine->imms_per_write(ci->group, ci->peers[d], total) > 1) {
+        // Striped: a scatter target is one write on one NIC, so large rows go by write_imm.
         h.data_imms = ci->engine->imms_per_write(ci->group, ci->peers[d], h.data_bytes);
-        sl.data_targets.push_back({ci->peers[d], off + hdr_bytes, h.data_bytes, &remote[d], dst_off + hdr_bytes});
+        sl.sends.post(d, [&](Notify n) {
+          return ci->engine->write_imm(ci->group, ci->peers[d], {&mr, off + hdr_bytes, h.data_bytes}, remote[d],
+                                       dst_off + hdr_bytes, imm_value(dk, static_cast<uint32_t>(s), channel,
+                                                                      static_cast<uint32_t>(me)), n);
+        });
         sl.hdr_targets.push_back({ci->peers[d], off, hdr_bytes, &remote[d], dst_off});
       } else if (d != me) {
         sl.hdr_targets.push_back({ci->peers[d], off, total, &remote[d], dst_off});
@@ -137,9 +142,6 @@ struct EpBuffer::Impl {
       write_block_header(arena + off, shape, h, counts + static_cast<size_t>(d) * L);
     }
     const uint32_t hv = imm_value(hk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(me));
-    const uint32_t dv = imm_value(dk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(me));
-    if (!sl.data_targets.empty())
-      sl.sends.post(-1, [&](Notify n) { return ci->engine->scatter(ci->group, mr, sl.data_targets, &dv, n); });
     if (!sl.hdr_targets.empty())
       sl.sends.post(-1, [&](Notify n) { return ci->engine->scatter(ci->group, mr, sl.hdr_targets, &hv, n); });
   }
@@ -249,7 +251,7 @@ Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpC
     sl.src_info.assign(static_cast<size_t>(im.L) * per_expert * 2, -1);
     sl.layout.assign(static_cast<size_t>(im.L) * W * 2, 0);
     sl.recv_counts.assign(static_cast<size_t>(W) * im.L, 0);
-    sl.data_targets.reserve(W);
+    sl.sends.reserve(static_cast<size_t>(W) + 2);
     sl.hdr_targets.reserve(W);
   }
   im.scratch_e.assign(cfg.num_experts, 0);

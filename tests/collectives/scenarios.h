@@ -45,6 +45,12 @@ CommunicatorOptions comm_options(const Setup& s, uint32_t timeout_ms, int rank) 
   o.engine.config.timeout_ms = s.backend == BackendChoice::kVerbs ? 6 * timeout_ms : timeout_ms;
   o.engine.config.ctrl_addr = "127.0.0.1";
   o.engine.groups = {rank_devices(o.engine.config, rank)};
+  if (s.provider == "tcp;ofi_rxm") {
+    // Two NICs (device 0 opened twice) and a low stripe threshold: blocks and transfers go striped,
+    // several immediates per write, the path a multi-NIC EFA or ConnectX node takes.
+    o.engine.groups = {{0, 0}};
+    o.engine.config.stripe_min_bytes = 1024;
+  }
   return o;
 }
 
