@@ -59,7 +59,8 @@ class EpHandle {
 // made by all ranks in the same order. Bad input (an expert index >= E or < -1, T > max_tokens, H or
 // dtype not the buffer's, an output too small, more than max_tokens rows of one rank to one expert)
 // fails before anything is sent and leaves the buffer usable. A dead peer or timeout fails the call
-// with the rank named, and every later call.
+// with the rank named, and every later call. Destroy an EpBuffer before its Communicator (its
+// destructor waits for its own writes still in flight on the communicator's engine).
 class EpBuffer {
  public:
   static Result<std::unique_ptr<EpBuffer>> create(Communicator& comm, const EpConfig& cfg);
