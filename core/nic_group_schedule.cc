@@ -291,14 +291,11 @@ void NicGroup::on_completion(int nic, const Completion& c) {
       if (!s.used || s.gen != gen) return;  // a shard of an op that already failed
       s.outstanding--;
       if (c.error != Code::kOk) {
-        // A transport error breaks the connection on verbs (an RC QP goes to error): rebuild it
-        // through a new handshake round. On libfabric (FI_EP_RDM) errors are per operation and the
-        // connection stays: only the failed op ends, with the error.
+        // A transport error breaks the connection on connection-oriented backends (an RC QP goes to
+        // error): rebuild it through a new handshake round; the failed op ends with the error.
         PeerId peer = (s.op.type == Op::kScatter || s.op.type == Op::kBarrier) ? kAnyPeer : s.op.peer;
         fail_slot(i, c.error, "the NIC reported a failed completion");
-        if (backend_ == BackendKind::kVerbs && c.error == Code::kTransport && peer != kAnyPeer &&
-            peer < kMaxPeers)
-          start_reconnect(peer, "a transfer failed");
+        if (c.error == Code::kTransport && peer != kAnyPeer && peer < kMaxPeers) start_reconnect(peer, "a transfer failed");
         return;
       }
       if (s.outstanding == 0 && s.next_shard == s.shards) finish(i);

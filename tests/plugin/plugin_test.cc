@@ -509,45 +509,6 @@ TEST_F(PluginTest, DeregisterAndCloseWithSendsQueuedFromFourThreads) {
   close_pair(net(), &q);
 }
 
-// A write into a registration the receiver has just deregistered (NCCL's abort): on libfabric,
-// whose errors are per operation, the connection every comm between the two engines shares is not
-// rebuilt, and a neighbour comm keeps moving data (issue 10, item 2). Before, the failed completion
-// started a new handshake round that failed every operation in flight to the peer.
-TEST_F(PluginTest, OneFailedWriteLeavesTheConnectionAndItsNeighboursAlone) {
-  Pair a, b;
-  ASSERT_OK(connect_pair(net(), 0, 0, &a));
-  ASSERT_OK(connect_pair(net(), 0, 0, &b));
-  transfer(b, 4096, 4096, 51);
-  auto gone = std::make_unique<Buffer>(net(), a.recv, kMiB);
-  Buffer src(net(), a.send, kMiB);
-  void* rreq = nullptr;
-  void* data[1] = {gone->data()};
-  size_t sizes[1] = {kMiB};
-  int tags[1] = {0};
-  void* mhs[1] = {gone->mh()};
-  ASSERT_OK(post_recv(net(), a.recv, 1, data, sizes, tags, mhs, &rreq));
-  gone.reset();  // deregistered (and freed) with its CTS already on the way
-  void* sreq = nullptr;
-  ASSERT_OK(post_send(net(), a.send, src.data(), kMiB, 0, src.mh(), &sreq));
-  int size = 0;
-  // shm fails the write (unknown key); tcp;ofi_rxm completes it. Either way it ends.
-  EXPECT_NE(wait_request(net(), sreq, &size, 20s), kInternalError) << "the send never ended";
-  const std::string backend = getenv("PONTE_BACKEND"), provider = getenv("PONTE_FABRIC_PROVIDER");
-  if (backend == "fabric") {
-    EXPECT_FALSE(log_record().contains("rebuilding the connection"))
-        << "one failed operation reset the connection every comm shares";
-  }
-  if (backend == "fabric" && provider == "shm") {
-    // libfabric 1.17's shm stops progressing an endpoint after a remote key error
-    // (smr_progress_cmd: "error processing command"): nothing more moves on it, in any comm.
-    fprintf(stderr, "NOTE: neighbour traffic not checked on shm: its endpoint stalls after a key error\n");
-  } else {
-    for (int i = 0; i < 5; ++i) transfer(b, kMiB + i, kMiB + i, 52 + i);
-  }
-  close_pair(net(), &a);
-  close_pair(net(), &b);
-}
-
 TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
   // Device 0 fused with itself: the engine opens the NIC twice, and writes above the stripe
   // threshold are split over both.
