@@ -441,6 +441,11 @@ Status Engine::expect_imm(int group, uint32_t value, uint32_t count, PeerId from
   return g->submit(op);
 }
 
+bool Engine::progress(int group) {
+  NicGroup* g = impl_->group(group);
+  return g && g->progress();
+}
+
 uint32_t Engine::imm_arrived(int group, uint32_t value) const {
   NicGroup* g = impl_->group(group);
   return g ? g->imm_table().arrived(value) : 0;

@@ -50,8 +50,8 @@ struct ScatterTarget {
   size_t dst_offset = 0;
 };
 
-// Called on the group's worker thread for every two-sided message: the data is valid only during
-// the call. Keep it short; it may submit new operations.
+// Called for every two-sided message on the thread that progresses the group (its worker, or one
+// inside Engine::progress): the data is valid only during the call. Keep it short; it may submit.
 using RecvHandler = void (*)(void* arg, PeerId from, std::span<const uint8_t> data);
 
 struct EngineOptions {
@@ -107,8 +107,9 @@ class Engine {
                                        MemKind kind = MemKind::kHost, int cuda_device = -1);
   Status deregister(MemoryRegion& mr);
 
-  // ---- Operations. All asynchronous: Notify fires exactly once, on the worker thread, with OK or
-  // the error. A non-OK return means the op was rejected and Notify will not fire.
+  // ---- Operations. All asynchronous: Notify fires exactly once, with OK or the error, on the
+  // thread that progresses the group: its worker, or a thread inside progress(). A non-OK return
+  // means the op was rejected and Notify will not fire.
   // One-sided write of src to dst+dst_offset; with imm, every shard carries it (see
   // imms_per_write) so the target's ImmCounter learns when all of it landed.
   Status write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
@@ -159,6 +160,16 @@ class Engine {
   // either this or expect_imm for a given value, not both. Thread-safe, lock-free.
   uint32_t imm_arrived(int group, uint32_t value) const;
   void consume_imm(int group, uint32_t value, uint32_t n);
+
+  // For a thread that polls (NCCL's proxy in test()): when the group's worker is asleep or is not
+  // getting the CPU, runs one pass of its data path here: starts what was submitted, posts it,
+  // reaps completions and arrived immediates, and runs their callbacks on this thread. One thread
+  // at a time per group (a try-lock; the worker never waits behind more than one pass); control
+  // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
+  // and takes over again when the polling stops. Never blocks or allocates; false when it did
+  // nothing (the worker is running, or there was nothing to do). A thread that calls it may skip
+  // the worker's wake-up when it submits: the worker still finds its work within 50 us.
+  bool progress(int group);
 
   // How many immediates one write of len bytes to peer produces at the target.
   uint32_t imms_per_write(int group, PeerId peer, size_t len) const;

@@ -92,7 +92,6 @@ Status NicGroup::start(const std::vector<int>& cores) {
   last_timeout_scan_ = last_activity_;
   now_ = last_activity_;
   worker_ = std::thread([this, cores] {
-    worker_id_.store(std::this_thread::get_id(), std::memory_order_release);
     if (!cores.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -124,7 +123,7 @@ void NicGroup::stop() {
     stop_.store(true, std::memory_order_release);
     uint64_t one = 1;
     if (write(wake_fd_, &one, sizeof(one)) < 0) { /* the worker also wakes on its own */ }
-    worker_.join();
+    worker_.join();  // it exits holding the progress token: pollers are shut out from here on
   }
   // Everything still queued or in flight ends with kCancelled.
   Status cancelled(Code::kCancelled, "the engine was shut down");
@@ -171,7 +170,10 @@ Status NicGroup::submit(const Op& op) {
     return Status::Ok();
   }
   if (!queue_.push(op)) return Status(Code::kAgain, "group %d: submission queue full (%zu)", index_, queue_.capacity());
-  if (sleeping_.load(std::memory_order_acquire) && sleeping_.exchange(false, std::memory_order_acq_rel)) {
+  // A thread that polls this group starts its own submissions in its next progress() call; the
+  // sleeping worker would find them anyway within its idle backoff (at most 50 us).
+  if (!polled_here() && sleeping_.load(std::memory_order_acquire) &&
+      sleeping_.exchange(false, std::memory_order_acq_rel)) {
     uint64_t one = 1;  // once per sleep, not per submission
     if (write(wake_fd_, &one, sizeof(one)) < 0) { /* already signalled */ }
   }

@@ -66,7 +66,15 @@ class NicGroup {
   Status submit(const Op& op);
   // Runs fn(arg) on the worker and waits (directly when called on the worker).
   Status run_on_worker(void (*fn)(void*), void* arg);
-  bool on_worker() const { return std::this_thread::get_id() == worker_id_.load(std::memory_order_acquire); }
+  // Whether the calling thread holds the group's progress token: it is the worker in a pass, or a
+  // poller inside progress(). Worker-only state may be touched only by the token's holder.
+  bool on_worker() const;
+  // Progress on the calling thread for a thread that polls (NCCL's proxy in test()): when the
+  // worker is asleep or has not run a pass since the last call, and neither the worker nor another
+  // poller holds the token, one pass of posting and reaping (submissions, shards, completions,
+  // immediates, callbacks) runs here. Housekeeping (control sockets, liveness, timeouts) stays
+  // with the worker. Never blocks, never allocates; whether anything happened.
+  bool progress();
 
   // Peers.
   Result<PeerId> new_outbound_peer(const GroupAddress& addr);
@@ -139,6 +147,18 @@ class NicGroup {
   };
 
   void run();
+  struct PassState {  // the worker loop's own (backoff, clock reads)
+    uint32_t idle_us = 0;
+    uint32_t iter = 0;
+    bool worked = false;
+    std::chrono::steady_clock::time_point last_house;
+    uint64_t poll_calls_seen = 0;
+  };
+  uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
+  bool polled_here() const;              // this thread called progress() on this group last
+  bool take_token();                     // try
+  void hold_token();                     // the worker's last take, for linger and stop()
+  void release_token();
   void linger();  // orderly shutdown on the worker, after run() (bounded by kLingerMs)
   bool poll_nics();
   bool drain_queue();
@@ -213,7 +233,13 @@ class NicGroup {
   uint32_t first_nic_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};
-  std::atomic<std::thread::id> worker_id_{};
+  // The progress token: whoever holds it runs worker-only code (the worker each pass, a poller in
+  // progress()). Pollers take it only when the worker sleeps or made no attempt since their last
+  // call, so the worker is never starved of it.
+  std::atomic<bool> token_{false};
+  std::atomic<uint64_t> passes_{0};       // the worker's attempts (written by the worker only)
+  std::atomic<uint64_t> passes_seen_{0};  // pollers: the count the last progress() call saw
+  std::atomic<uint64_t> poll_calls_{0};   // progress() calls: a thread is polling this group
   std::thread worker_;
   static constexpr int kPollBatch = 32;
   Completion comps_[kPollBatch];  // worker only: poll_nics' batch

@@ -23,6 +23,9 @@ inline constexpr uint32_t kAuthWindowMs = 5000;
 inline constexpr uint32_t kPendingScanMs = 10;
 inline constexpr uint32_t kListenPauseMs = 100;  // out of descriptors: the port rests this long
 inline constexpr size_t kImmTableSize = 1 << 16;
+// How long the worker sleeps between passes while a thread polls the group (Engine::progress):
+// the poller moves the data, the worker keeps control sockets, liveness and timeouts going.
+inline constexpr uint32_t kPollerBackoffUs = 50;
 inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 
 }  // namespace ponte

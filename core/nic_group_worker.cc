@@ -1,17 +1,20 @@
 // NicGroup's worker loop: drain submissions, post, poll the NICs, housekeeping every 100 us, idle
-// back-off into epoll, and the orderly shutdown (linger) after the loop ends.
+// back-off into epoll, the orderly shutdown (linger) after the loop ends, and the progress token
+// that lets a polling thread run the data path's passes itself (progress()).
 #include "core/nic_group.h"
 
 #include <sys/epoll.h>
 
 #include <algorithm>
+#include <thread>
+
 #include "core/nic_group_internal.h"
 
 namespace ponte {
 
+// The caller has set sleeping_ (and looked at the queue under the token): us = 0 does not sleep.
 void NicGroup::sleep_idle(uint32_t us) {
-  sleeping_.store(true, std::memory_order_seq_cst);
-  if (queue_.front() == nullptr && !stop_.load(std::memory_order_acquire)) {
+  if (us > 0 && !stop_.load(std::memory_order_acquire)) {
     epoll_event ev;
     timespec ts{0, static_cast<long>(us) * 1000};
     int n = epoll_pwait2(epoll_fd_, &ev, 1, &ts, nullptr);
@@ -71,41 +74,117 @@ bool NicGroup::poll_nics() {
   return any;
 }
 
-void NicGroup::run() {
-  uint32_t idle_us = 0;
-  uint32_t iter = 0;
-  bool worked = false;  // since the clock was last read
-  auto last_house = Clock::now();
-  while (!stop_.load(std::memory_order_acquire)) {
-    bool did = drain_queue();
+// ---- the progress token
+
+namespace {
+thread_local const NicGroup* tls_holder = nullptr;  // the group whose token this thread holds
+thread_local const NicGroup* tls_poller = nullptr;  // the group this thread last polled
+}  // namespace
+
+bool NicGroup::on_worker() const { return tls_holder == this; }
+bool NicGroup::polled_here() const { return tls_poller == this; }
+
+bool NicGroup::take_token() {
+  if (token_.load(std::memory_order_relaxed) || token_.exchange(true, std::memory_order_acquire))
+    return false;
+  tls_holder = this;
+  return true;
+}
+
+void NicGroup::hold_token() {
+  while (!take_token()) std::this_thread::yield();  // a poller holds it for one pass at most
+}
+
+void NicGroup::release_token() {
+  tls_holder = nullptr;
+  token_.store(false, std::memory_order_release);
+}
+
+bool NicGroup::progress() {
+  if (tls_holder != nullptr) return false;  // from a callback: its thread is mid-pass already
+  tls_poller = this;
+  poll_calls_.store(poll_calls_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  // Only when the worker sleeps, or ran no pass since the last call (it is not getting the CPU):
+  // a worker that runs anyway does the work, without two threads bouncing its state.
+  const uint64_t passes = passes_.load(std::memory_order_relaxed);
+  if (!sleeping_.load(std::memory_order_relaxed) &&
+      passes_seen_.exchange(passes, std::memory_order_relaxed) != passes)
+    return false;
+  if (stop_.load(std::memory_order_relaxed) || !take_token()) return false;
+  bool did = false;
+  if (!stop_.load(std::memory_order_acquire)) {
+    did = drain_queue();
     if (run_head_ != kNoSlot) did |= post_runnable();
     did |= poll_nics();
-    worked |= did;
-    if (did) idle_us = 0;
-    // The clock is read every 64th pass while working and every 8th while spinning idle: a
-    // clock read costs as much as an idle poll. Backing off, every pass reads it (and sleeps).
-    if (idle_us == 0 && (++iter & (did ? 63u : 7u)) != 0) continue;
-    auto now = Clock::now();
-    now_ = now;
-    if (worked) last_activity_ = now;  // the spin window starts at the last work, however brief
-    worked = false;
-    // Control sockets and timeouts every 100 us, busy or not: a syscall per pass would cost the
-    // spin window its latency. An idle worker sleeps in epoll below and wakes for them anyway.
-    if (now - last_house >= std::chrono::microseconds(100)) {
-      housekeeping(now);
-      last_house = now;
-    }
-    bool busy = active_count_ > 0 || imm_.waiting() > 0 ||
-                now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
-    if (did || busy) {
-      idle_us = 0;
+  }
+  release_token();
+  return did;
+}
+
+// ---- the worker loop
+
+void NicGroup::run() {
+  PassState st;
+  st.last_house = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    // Counted before taking the token: a poller that sees the count move steps aside on its next
+    // call, so the worker is never starved of the token, and never waits for one either.
+    passes_.store(passes_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    if (!take_token()) {  // a poller is mid-pass: it moves the data, the worker leaves it the CPU
+      sleeping_.store(true, std::memory_order_seq_cst);
+      sleep_idle(kPollerBackoffUs);
       continue;
     }
-    // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
-    // move incoming data), waking at once for a submission or a control message.
-    idle_us = idle_us ? std::min<uint32_t>(idle_us * 2, 50) : 1;
-    sleep_idle(idle_us);
+    uint32_t sleep_us = worker_pass(st);
+    const bool sleep = sleep_us > 0;
+    if (sleep) {
+      // Announced before the last look at the queue: a submission after it sees sleeping_ and
+      // wakes us (a poller's own is started by its next progress() call).
+      sleeping_.store(true, std::memory_order_seq_cst);
+      if (queue_.front() != nullptr) sleep_us = 0;
+    }
+    release_token();
+    if (sleep) sleep_idle(sleep_us);
   }
+  hold_token();  // linger, then stop(), own the group from here on
+}
+
+uint32_t NicGroup::worker_pass(PassState& st) {
+  bool did = drain_queue();
+  if (run_head_ != kNoSlot) did |= post_runnable();
+  did |= poll_nics();
+  st.worked |= did;
+  if (did) st.idle_us = 0;
+  // The clock is read every 64th pass while working and every 8th while spinning idle: a
+  // clock read costs as much as an idle poll. Backing off, every pass reads it (and sleeps).
+  if (st.idle_us == 0 && (++st.iter & (did ? 63u : 7u)) != 0) return 0;
+  auto now = Clock::now();
+  now_ = now;
+  if (st.worked) last_activity_ = now;  // the spin window starts at the last work, however brief
+  st.worked = false;
+  // Control sockets and timeouts every 100 us, busy or not: a syscall per pass would cost the
+  // spin window its latency. An idle worker sleeps in epoll below and wakes for them anyway.
+  if (now - st.last_house >= std::chrono::microseconds(100)) {
+    housekeeping(now);
+    st.last_house = now;
+  }
+  // A thread polling this group (progress() called since the last look) moves the data itself
+  // while the worker sleeps: the worker backs off instead of spinning beside it for the CPU, and
+  // spins again once the polling stops.
+  const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
+  const bool poller = calls != st.poll_calls_seen;
+  st.poll_calls_seen = calls;
+  const bool busy = !poller && (active_count_ > 0 || imm_.waiting() > 0 ||
+                                now - last_activity_ < std::chrono::microseconds(cfg_.spin_us));
+  if (did || busy) {
+    st.idle_us = 0;
+    return 0;
+  }
+  if (poller) return st.idle_us = kPollerBackoffUs;
+  // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
+  // move incoming data), waking at once for a submission or a control message.
+  st.idle_us = st.idle_us ? std::min<uint32_t>(st.idle_us * 2, 50) : 1;
+  return st.idle_us;
 }
 
 }  // namespace ponte

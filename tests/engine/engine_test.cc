@@ -497,6 +497,55 @@ TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
   EXPECT_EQ(peers_[0]->cmd("check 0 4096 8 0"), "ok");
 }
 
+// A thread that polls (as NCCL's proxy does in test()) moves the data through progress() itself:
+// the callbacks run on it, the bytes and immediates arrive intact. The worker keeps what it gives
+// every user: a peer killed while the poller spins is declared dead and its counter fails.
+TEST_P(EngineTest, PollingThreadProgressesAndWorkerKeepsLiveness) {
+  start();
+  constexpr int kOps = 2000;
+  constexpr size_t kLen = 16 << 10;
+  fill(src_, kOps * kLen, 23);
+  struct Seen {
+    std::atomic<int> ok{0}, failed{0}, on_poller{0};
+    std::thread::id poller = std::this_thread::get_id();
+    static void fire(void* arg, const Status& st) {
+      auto* s = static_cast<Seen*>(arg);
+      if (std::this_thread::get_id() == s->poller) s->on_poller++;
+      if (st.ok()) s->ok++;
+      else s->failed++;
+    }
+  } seen;
+  int posted = 0, passes = 0;
+  auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (seen.ok + seen.failed < kOps && std::chrono::steady_clock::now() < deadline) {
+    while (posted < kOps && posted - (seen.ok + seen.failed) < 16) {
+      Status st = eng_->write_imm(0, ids_[0], LocalSlice{&mr_, posted * kLen, kLen}, peers_[0]->region(),
+                                  posted * kLen, 6, Notify{&Seen::fire, &seen});
+      if (st.code() == Code::kAgain) break;
+      ASSERT_TRUE(st.ok()) << st.message();
+      posted++;
+    }
+    if (eng_->progress(0)) passes++;
+  }
+  ASSERT_EQ(seen.ok + seen.failed, kOps) << "writes driven by a polling thread hung";
+  EXPECT_EQ(seen.failed, 0);
+  EXPECT_GT(passes, 0) << "progress() never ran a pass for the polling thread";
+  EXPECT_GT(seen.on_poller, 0) << "no callback ran on the polling thread";
+  EXPECT_EQ(peers_[0]->cmd("expectw 6 " + std::to_string(kLen) + " " + std::to_string(kOps)), "ok");
+  EXPECT_EQ(peers_[0]->cmd("check 0 " + std::to_string(kOps * kLen) + " 23 0"), "ok");
+
+  Flag expect;
+  ASSERT_TRUE(eng_->expect_imm(0, 998, 1, ids_[0], expect.notify(), 60000).ok());
+  peers_[0]->process().kill();
+  EXPECT_EQ(peers_[0]->process().wait_exit(5000), -1);
+  deadline = std::chrono::steady_clock::now() + 20s;
+  while (!expect.done() && std::chrono::steady_clock::now() < deadline) eng_->progress(0);
+  ASSERT_TRUE(expect.done()) << "a dead peer went unnoticed while a thread polled";
+  EXPECT_EQ(expect.status().code(), Code::kPeerDead) << expect.status().message();
+  EXPECT_TRUE(eng_->peer_dead(0, ids_[0]));
+  peers_.clear();
+}
+
 // Destroying the engine is an orderly shutdown: writes already posted finish (their callbacks
 // report success, before the destructor returns) and their bytes land; nothing is cancelled
 // while it is on the wire. The peer's counter, armed for them before, is satisfied: our goodbye
