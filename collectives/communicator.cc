@@ -80,8 +80,11 @@ Status FlagSet::wait(Communicator::Impl& c, const char* what) {
 Status Communicator::Impl::rank_error(int r, const Status& st, const char* what) {
   // Name the rank: the one the failed op concerned, else whichever peers the engine saw die.
   std::string dead;
-  for (int o : others)
-    if (engine->peer_dead(group, peers[o])) dead += (dead.empty() ? "" : ",") + std::to_string(o);
+  for (int o : others) {
+    if (!engine->peer_dead(group, peers[o])) continue;
+    if (!dead.empty()) dead += ',';  // appended in place: "," + string trips GCC 12's -Wrestrict
+    dead += std::to_string(o);
+  }
   Status out;
   if (st.code() == Code::kPeerDead || !dead.empty()) {
     int named = r;

@@ -288,7 +288,10 @@ Status make_vdevice(int* out, const nccl_abi::VDeviceProps* vp) {
   d->vprops.ndevs = vp->ndevs;
   d->nic_desc = nic_list(*d, p.nics);
   d->index = static_cast<int>(p.devices.size());
-  if (name_taken(p, d->name)) d->name += "#" + std::to_string(d->index);
+  if (name_taken(p, d->name)) {  // appended piece by piece: "#" + string trips GCC 12's -Wrestrict
+    d->name += '#';
+    d->name += std::to_string(d->index);
+  }
   const Device& first = *p.devices[vp->devs[0]];
   d->pci_path = first.pci_path;
   d->has_pci = first.has_pci;

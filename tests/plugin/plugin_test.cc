@@ -590,8 +590,13 @@ TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
 // ---- other processes --------------------------------------------------------------------------
 
 std::string join_sizes(const std::vector<size_t>& v) {
+  // Appends in place: `"," + std::to_string(x)` prepends into a temporary (operator+(const char*,
+  // string&&)), where GCC 12 at -O3 reports a false -Wrestrict inside std::string's memcpy.
   std::string s;
-  for (size_t x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  for (size_t x : v) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(x);
+  }
   return s;
 }
 std::vector<size_t> split_sizes(const std::string& s) {

@@ -72,12 +72,15 @@ struct Json {
   double number = 0;
   std::string text;
   std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> fields;
+  // An object's members: keys[i] names values[i]. Two vectors, not one of pair<string, Json>:
+  // a vector of an incomplete type is fine, a pair of one is not (clang-14 rejects it).
+  std::vector<std::string> keys;
+  std::vector<Json> values;
 
   const Json& operator[](const std::string& key) const {
     static const Json missing;
-    for (const auto& [k, v] : fields) {
-      if (k == key) return v;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] == key) return values[i];
     }
     return missing;
   }
@@ -86,8 +89,8 @@ struct Json {
     return i < items.size() ? items[i] : missing;
   }
   bool has(const std::string& key) const {
-    for (const auto& f : fields) {
-      if (f.first == key) return true;
+    for (const auto& k : keys) {
+      if (k == key) return true;
     }
     return false;
   }
@@ -169,7 +172,8 @@ class JsonReader {
         ++at_;
         Json v;
         if (!value(v)) return false;
-        out.fields.emplace_back(std::move(key), std::move(v));
+        out.keys.push_back(std::move(key));
+        out.values.push_back(std::move(v));
         space();
         if (at_ < s_.size() && s_[at_] == ',') { ++at_; continue; }
         if (at_ < s_.size() && s_[at_] == '}') return ++at_, true;
