@@ -37,6 +37,7 @@
 #include "core/notify.h"
 #include "core/remote_region.h"
 #include "core/status.h"
+#include "ponte_version.h"
 
 namespace {
 
@@ -930,7 +931,7 @@ int run_client(Channel& ch, const Options& o) {
   fprintf(code ? stderr : stdout,
           "usage: ponte-bench [--backend fabric|verbs] [--provider P] [--op write|write-imm|send|lat[,...]]\n"
           "                   [--sizes 8,64k,1m,...] [--window N] [--nics N] [--iters N] [--timeout S]\n"
-          "                   [--json] [--server | --client HOST] [--port P]\n"
+          "                   [--json] [--server | --client HOST] [--port P] [--version]\n"
           "Moves data through ponte's engine between two processes, verifies it, then prints bandwidth,\n"
           "latency and CPU per operation. Default: both ends on this host over loopback (the peer is\n"
           "forked), provider tcp;ofi_rxm, op write-imm,lat, sizes 64,64k,1m,8m (lat: 8 bytes), window 16,\n"
@@ -975,6 +976,10 @@ Options parse_args(int argc, char** argv) {
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") usage(0);
+    if (a == "--version") {
+      printf("ponte-bench %s\n", PONTE_VERSION_STRING);
+      exit(0);
+    }
     if (a == "--json") {
       o.json = true;
       continue;

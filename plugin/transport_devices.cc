@@ -7,6 +7,7 @@
 
 #include "core/log.h"
 #include "plugin/log.h"
+#include "ponte_version.h"
 
 namespace ponte::plugin {
 
@@ -69,6 +70,8 @@ int ptr_support_of(const std::vector<const NicInfo*>& nics) {
 // without opening one); kept as device 0's engine, as device 0 is the one most often used.
 void probe_locked(Plugin& p) {
   p.probed = true;
+  // The first line NCCL_DEBUG=INFO shows from ponte: which build is loaded.
+  PONTE_NET_INFO("ponte %s, NCCL net plugin (ncclNet v11..v8)", PONTE_VERSION_STRING);
   EngineOptions opts;
   opts.groups.push_back({0});
   auto e = Engine::create(opts);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "ponte_version.h"
 #include "topology/cuda_bus_id.h"
 #include "topology/topology.h"
 
@@ -12,10 +13,11 @@ namespace {
 
 void usage(FILE* to) {
   std::fprintf(to,
-               "usage: ponte-topo [--xml FILE] [--json]\n"
+               "usage: ponte-topo [--xml FILE] [--json] [--version]\n"
                "  --xml FILE  read an hwloc XML export (lstopo --of xml) instead of the live host;\n"
                "              PONTE_TOPO_FILE=FILE does the same when --xml is not given\n"
-               "  --json      print JSON instead of a table\n");
+               "  --json      print JSON instead of a table\n"
+               "  --version   print ponte's version and exit\n");
 }
 
 }  // namespace
@@ -39,6 +41,9 @@ int main(int argc, char** argv) {
     } else if (std::strncmp(arg, "--xml=", 6) == 0) {
       options.xml_file = arg + 6;
       xml_given = true;
+    } else if (std::strcmp(arg, "--version") == 0) {
+      std::printf("ponte-topo %s\n", PONTE_VERSION_STRING);
+      return 0;
     } else if (std::strcmp(arg, "--help") == 0 || std::strcmp(arg, "-h") == 0) {
       usage(stdout);
       return 0;

@@ -56,6 +56,10 @@ struct LogRecord {
       if (l.find(s) != std::string::npos) return true;
     return false;
   }
+  std::string first() {
+    std::lock_guard<std::mutex> lock(mu);
+    return lines.empty() ? std::string() : lines.front();
+  }
 };
 inline LogRecord& log_record() {
   static LogRecord r;

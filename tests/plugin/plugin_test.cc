@@ -7,6 +7,7 @@
 #include <map>
 #include <sstream>
 
+#include "ponte_version.h"
 #include "tests/plugin/harness.h"
 
 using namespace ponte::plugin_test;
@@ -112,6 +113,9 @@ TEST_F(PluginTest, PropertiesAndLogging) {
   EXPECT_TRUE(log_record().contains("NET/ponte")) << "nothing logged through NCCL's logger";
   EXPECT_TRUE(log_record().contains("backend"));
   EXPECT_TRUE(log_record().contains("GPUDirect"));
+  // The first line says which ponte is loaded: its version, and its commit when built from a checkout.
+  EXPECT_EQ(log_record().first().rfind("NET/ponte : ponte " PONTE_VERSION_STRING ",", 0), 0u)
+      << "first line: " << log_record().first();
   // Bad device indexes are errors, not crashes.
   EXPECT_EQ(net()->get_properties(-1, &p), kInvalidArgument);
   EXPECT_EQ(net()->get_properties(net().devices(), &p), kInvalidArgument);
