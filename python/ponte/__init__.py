@@ -16,7 +16,31 @@ try:  # the collectives (MoE) binding, where the C++ collectives library was bui
 
     __all__ += ["Communicator", "EpBuffer", "EpHandle"]
 except ImportError:  # pragma: no cover - depends on the build
-    pass
+    Communicator = None
+
+
+def _communicator_from_torch(cls, group=None, **engine_kwargs):
+    """A Communicator over an initialised torch.distributed process group (gloo works on CPU): its
+    rank and size, and its all_gather_object as the bootstrap AllGather. Keywords as for Engine."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the group")
+
+    def allgather(data):
+        out = [None] * world
+        dist.all_gather_object(out, bytes(data), group=group)
+        return out
+
+    return cls(rank, world, allgather, **engine_kwargs)
+
+
+if Communicator is not None:
+    Communicator.from_torch = classmethod(_communicator_from_torch)
 
 # Engines still open at exit are closed in order (their workers stopped) before the interpreter
 # tears down.

@@ -1,6 +1,6 @@
 """Type stubs for the ponte module (python/src/*.cc binds them; docstrings there and in README)."""
 from enum import IntEnum
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -115,3 +115,89 @@ class Engine:
         """Orderly shutdown; later calls raise Error(CANCELLED)."""
     def __enter__(self) -> "Engine": ...
     def __exit__(self, *args: Any) -> None: ...
+
+class Communicator:
+    """W ranks over one engine of their own, bootstrapped through allgather(bytes) -> list[bytes]."""
+    def __init__(self, rank: int, world: int, allgather: Callable[[bytes], Sequence[BytesLike]], *,
+                 backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
+                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ...) -> None: ...
+    @classmethod
+    def from_torch(cls, group: Any = None, **engine_kwargs: Any) -> "Communicator":
+        """Over an initialised torch.distributed group (gloo works on CPU)."""
+    @property
+    def rank(self) -> int:
+        """This rank."""
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran."""
+    def barrier(self) -> None:
+        """Returns once every rank entered it."""
+    def all_to_all_v(self, send: Memory, send_counts: Sequence[int], recv: Memory, recv_counts: Sequence[int]) -> None:
+        """Counts in elements of each buffer's dtype, blocks back to back in rank order."""
+    def close(self) -> None:
+        """Closes its EpBuffers, then its engine."""
+    def __enter__(self) -> "Communicator": ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class EpHandle:
+    """One dispatch/combine in flight."""
+    @property
+    def num_tokens(self) -> int:
+        """T of the dispatch."""
+    @property
+    def src_info(self) -> Memory:
+        """int32 [L, W * max_tokens, 2]: (source rank, token) per received row."""
+    @property
+    def layout_range(self) -> Memory:
+        """int32 [L, W, 2]: (begin, count) per local expert and source rank."""
+    def valid(self) -> bool:
+        """Whether dispatched and not yet combined."""
+
+class EpBuffer:
+    """MoE dispatch and combine over a Communicator (collective)."""
+    def __init__(self, comm: Communicator, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: str = "float32") -> None: ...
+    @property
+    def num_experts(self) -> int:
+        """E."""
+    @property
+    def local_experts(self) -> int:
+        """L = E / W."""
+    @property
+    def hidden(self) -> int:
+        """H."""
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens per dispatch."""
+    @property
+    def topk(self) -> int:
+        """K."""
+    @property
+    def dtype(self) -> str:
+        """'float32' or 'bfloat16'."""
+    @property
+    def recv_rows_per_expert(self) -> int:
+        """W * max_tokens."""
+    def dispatch(self, x: Memory, topk_idx: Memory, recv_x: Optional[Memory] = None,
+                 recv_count: Optional[Memory] = None) -> Tuple[Memory, Memory, EpHandle]:
+        """Returns (recv_x [L, W*max_tokens, H], recv_count [L], handle)."""
+    def dispatch_send(self, x: Memory, topk_idx: Memory) -> EpHandle:
+        """Posts the rows; returns at once."""
+    def dispatch_recv(self, handle: EpHandle, recv_x: Optional[Memory] = None,
+                      recv_count: Optional[Memory] = None) -> Tuple[Memory, Memory]:
+        """Waits; returns (recv_x, recv_count)."""
+    def combine(self, y: Memory, topk_weights: Memory, handle: EpHandle, out: Optional[Memory] = None,
+                accumulate: bool = False) -> Memory:
+        """Returns out [T, H] = sum_k w[t, k] * y_row(t, k)."""
+    def combine_send(self, y: Memory, handle: EpHandle) -> None:
+        """Sends y back to the sources; returns at once."""
+    def combine_recv(self, handle: EpHandle, topk_weights: Memory, out: Optional[Memory] = None,
+                     accumulate: bool = False) -> Memory:
+        """Waits and reduces; releases the handle."""
+    def live_handles(self) -> int:
+        """Handles dispatched and not yet combined."""
+    def close(self) -> None:
+        """Frees the arena."""

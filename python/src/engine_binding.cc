@@ -298,6 +298,39 @@ std::vector<uint32_t> arg_pages(pyb::handle obj, const char* name) {
   return out;
 }
 
+std::shared_ptr<EngineState> make_engine(const pyb::kwargs& kw) {
+  EngineOptions opts;
+  opts.config = engine_config(kw);
+  auto es = std::make_shared<EngineState>();
+  es->timeout_ms = opts.config.timeout_ms;
+  Result<std::unique_ptr<Engine>> r = Status(Code::kInternal, "not created");
+  {
+    pyb::gil_scoped_release nogil;
+    r = Engine::create(opts);
+  }
+  if (!r.ok()) raise_error(r.status(), "Engine");
+  es->engine = std::move(*r);
+  std::lock_guard lock(g_engines_mu);
+  std::erase_if(g_engines, [](const std::weak_ptr<EngineState>& w) { return w.expired(); });
+  g_engines.push_back(es);
+  return es;
+}
+
+void close_all() {
+  std::vector<std::shared_ptr<EngineState>> live;
+  {
+    std::lock_guard lock(g_engines_mu);
+    for (auto& w : g_engines)
+      if (auto s = w.lock()) live.push_back(s);
+    g_engines.clear();
+  }
+  for (auto& s : live) s->close();
+}
+
+constexpr int kGroup = 0;
+
+}  // namespace
+
 Config engine_config(const pyb::kwargs& kw) {
   Config c = global_config();
   for (auto item : kw) {
@@ -332,38 +365,6 @@ Config engine_config(const pyb::kwargs& kw) {
   return c;
 }
 
-std::shared_ptr<EngineState> make_engine(const pyb::kwargs& kw) {
-  EngineOptions opts;
-  opts.config = engine_config(kw);
-  auto es = std::make_shared<EngineState>();
-  es->timeout_ms = opts.config.timeout_ms;
-  Result<std::unique_ptr<Engine>> r = Status(Code::kInternal, "not created");
-  {
-    pyb::gil_scoped_release nogil;
-    r = Engine::create(opts);
-  }
-  if (!r.ok()) raise_error(r.status(), "Engine");
-  es->engine = std::move(*r);
-  std::lock_guard lock(g_engines_mu);
-  std::erase_if(g_engines, [](const std::weak_ptr<EngineState>& w) { return w.expired(); });
-  g_engines.push_back(es);
-  return es;
-}
-
-void close_all() {
-  std::vector<std::shared_ptr<EngineState>> live;
-  {
-    std::lock_guard lock(g_engines_mu);
-    for (auto& w : g_engines)
-      if (auto s = w.lock()) live.push_back(s);
-    g_engines.clear();
-  }
-  for (auto& s : live) s->close();
-}
-
-constexpr int kGroup = 0;
-
-}  // namespace
 
 void bind_engine(pyb::module_& m) {
   namespace py = pybind11;

@@ -4,6 +4,9 @@
 
 #include "core/status.h"
 #include "python/src/engine_binding.h"
+#ifdef PONTE_PY_COLLECTIVES
+#include "python/src/collectives_binding.h"
+#endif
 #include "python/src/py_common.h"
 
 namespace pyb = pybind11;
@@ -24,4 +27,7 @@ PYBIND11_MODULE(_ponte, m) {
       .value("INTERNAL", ponte::Code::kInternal);
   ponte::py::init_errors(m);
   ponte::py::bind_engine(m);
+#ifdef PONTE_PY_COLLECTIVES
+  ponte::py::bind_collectives(m);
+#endif
 }

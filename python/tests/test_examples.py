@@ -31,3 +31,11 @@ def test_weight_transfer(op):
               "--layers", "2", "--vocab", "1024", "--updates", "2")
     assert "every tensor's checksum verified on every replica after every update" in out
     assert out.count(" yes") == 2
+
+
+@pytest.mark.parametrize("provider,dtype,topk", [("tcp;ofi_rxm", "float32", "2"), ("shm", "bfloat16", "3")])
+def test_moe_torch(provider, dtype, topk):
+    pytest.importorskip("torch")
+    out = run("moe_torch.py", "--world", "2", "--provider", provider, "--dtype", dtype, "--topk", topk,
+              "--steps", "3", timeout=240)
+    assert "every rank matches the single-process layer" in out

@@ -1,0 +1,84 @@
+"""ponte.Communicator and ponte.EpBuffer from Python: MoE dispatch/combine with W = 2 and 4 rank
+processes over tcp;ofi_rxm and shm, checked against the single-process computation; bad input;
+a dead rank; torch.distributed bootstrap."""
+import pytest
+
+import ponte
+from moe_ranks import run_world
+
+pytestmark = pytest.mark.skipif(not hasattr(ponte, "EpBuffer"), reason="ponte built without collectives/")
+
+PROVIDERS = [pytest.param("tcp;ofi_rxm", id="tcp_rxm"), pytest.param("shm", id="shm")]
+
+
+def assert_all_ok(results, W):
+    assert sorted(results) == list(range(W)), "ranks without a result: %s" % results
+    for r, res in results.items():
+        assert res == "ok", "rank %d: %s" % (r, res)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("W", [2, 4])
+def test_moe_float32(W, provider):
+    assert_all_ok(run_world(W, "moe", provider), W)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_moe_bfloat16_w2(provider):
+    assert_all_ok(run_world(2, "moe", provider, dtype="bfloat16", hidden=64), 2)
+
+
+def test_moe_bfloat16_w4_tcp():
+    assert_all_ok(run_world(4, "moe", "tcp;ofi_rxm", dtype="bfloat16", hidden=64), 4)
+
+
+def test_bad_input_leaves_the_buffer_usable():
+    assert_all_ok(run_world(2, "bad_input", "tcp;ofi_rxm"), 2)
+
+
+def test_dead_rank_fails_the_survivors_within_the_timeout():
+    # tcp only: a process killed while it holds its shm region lock can wedge shm writers
+    # (libfabric 1.17; see test_engine.py).
+    results = run_world(3, "dead", "tcp;ofi_rxm")
+    assert 2 not in results  # the victim exited without a result
+    assert results.get(0) == "ok", results.get(0)
+    assert results.get(1) == "ok", results.get(1)
+
+
+def test_communicator_arguments():
+    with pytest.raises(ValueError, match="rank"):
+        ponte.Communicator(2, 2, lambda b: [b, b])
+    with pytest.raises(TypeError, match="allgather"):
+        ponte.Communicator(0, 1, "not callable")
+    with pytest.raises(ValueError, match="allgather returned 2 entries for world 1"):
+        ponte.Communicator(0, 1, lambda b: [b, b], provider="tcp;ofi_rxm")
+
+    class Boom(Exception):
+        pass
+
+    def fails(b):
+        raise Boom("from the allgather")
+
+    with pytest.raises(Boom):  # the callable's own exception comes back
+        ponte.Communicator(0, 1, fails, provider="tcp;ofi_rxm")
+    # A world of one: everything stays local.
+    with ponte.Communicator(0, 1, lambda b: [b], provider="tcp;ofi_rxm", timeout_ms=3000) as comm:
+        comm.barrier()
+        with pytest.raises(ValueError, match="num_experts"):
+            ponte.EpBuffer(comm, 0, 8, 4, 1)
+        with pytest.raises(ValueError, match="dtype"):
+            ponte.EpBuffer(comm, 2, 8, 4, 1, dtype="float16")
+        import numpy as np
+        ep = ponte.EpBuffer(comm, 2, 8, 4, 2)
+        x = np.arange(32, dtype=np.float32).reshape(4, 8)
+        idx = np.array([[0, 1], [1, -1], [-1, -1], [0, 0]], np.int64)
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        assert recv_count.tolist() == [3, 2]
+        out = ep.combine(recv_x, np.ones((4, 2), np.float32), h)
+        np.testing.assert_allclose(out, x * np.array([2, 1, 0, 2], np.float32)[:, None])
+        with pytest.raises(ValueError, match="src_info"):
+            h.src_info  # released by combine
+    assert comm.closed
+    with pytest.raises(ponte.Error) as e:
+        comm.barrier()
+    assert e.value.code == ponte.Code.CANCELLED
