@@ -9,7 +9,11 @@ Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
 (the machine is shared). Target: python/C++ >= 0.9 at window 16.
 
-MoE: dispatch+combine through ``ponte.EpBuffer`` against ``ep-bench`` when both are built.
+MoE: dispatch+combine through ``ponte.EpBuffer`` against ``ep-bench`` (C++), the same shape (default
+ep-bench's small one: W 2, 128 tokens per rank, H 128, top-2, 16 experts, bf16), timed alike (a barrier,
+then dispatch_send+dispatch_recv and combine_send+combine_recv; per iteration the slowest rank;
+p50). Python reuses its recv_x/recv_count/out arrays, as a real loop would. Target: C++/Python time
+>= 0.9.
 
 Run with Debian's python (numpy): ``PYTHONPATH=build/python /usr/bin/python3 bench/py_overhead.py``.
 Exit status 1 when a run failed or did not verify.
@@ -149,6 +153,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--build", default=None)
     ap.add_argument("--ep", choices=["auto", "off"], default="auto", help="also dispatch+combine vs ep-bench")
+    ap.add_argument("--ep-world", type=int, default=2)
+    ap.add_argument("--ep-tokens", type=int, default=128)
+    ap.add_argument("--ep-hidden", type=int, default=128)
+    ap.add_argument("--ep-topk", type=int, default=2)
+    ap.add_argument("--ep-experts", type=int, default=16)
+    ap.add_argument("--ep-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--ep-iters", type=int, default=50)
     a = ap.parse_args()
     build = find_build(a.build)
     sys.path.insert(0, os.path.join(build, "python"))
@@ -182,18 +193,149 @@ def main():
         if c and p:
             print("%-14s ratio python/c++ = %.3f (target >= 0.9 at window 16)" % (provider, p["GBps"] / c["GBps"]))
     if a.ep == "auto":
-        ep_overhead(build)
+        shape = dict(tokens=a.ep_tokens, hidden=a.ep_hidden, topk=a.ep_topk, experts=a.ep_experts, dtype=a.ep_dtype,
+                     iters=a.ep_iters, warmup=5)
+        failed |= not ep_overhead(build, a.providers.split(","), a.repeat, a.ep_world, shape)
     return 1 if failed else 0
 
 
-def ep_overhead(build):
-    """dispatch+combine through Python against ep-bench (when the collectives are built)."""
+def ep_rank(me, world, conn, cfg, build):
+    """One rank of the Python dispatch+combine loop, timed as ep-bench times its own."""
+    sys.path.insert(0, os.path.join(build, "python"))
+    import numpy as np
+    import ponte
+
+    def allgather(data):
+        conn.send(("ag", bytes(data)))
+        return conn.recv()
+
+    try:
+        E, H, T, K = cfg["experts"], cfg["hidden"], cfg["tokens"], cfg["topk"]
+        comm = ponte.Communicator(me, world, allgather, provider=cfg["provider"])
+        ep = ponte.EpBuffer(comm, E, H, T, K, dtype=cfg["dtype"])
+        dt = np.float32 if cfg["dtype"] == "float32" else np.uint16
+        x = (np.arange(T * H, dtype=np.uint32).reshape(T, H) % 13).astype(np.float32)
+        if dt is np.uint16:
+            x = (x.view(np.uint32) >> 16).astype(np.uint16)  # small integers are exact in bf16
+        recv_x = np.empty((ep.local_experts, ep.recv_rows_per_expert, H), dtype=dt)
+        recv_count = np.empty(ep.local_experts, dtype=np.int32)
+        out = np.empty((T, H), dtype=dt)
+        rng = np.random.default_rng(me + 1)
+        d_us, c_us, verified = [], [], True
+        for it in range(cfg["warmup"] + cfg["iters"]):
+            idx = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)  # K distinct experts per token
+            w = np.full((T, K), 1.0 / K, dtype=np.float32)
+            comm.barrier()
+            t0 = time.perf_counter()
+            h = ep.dispatch_send(x, idx)
+            ep.dispatch_recv(h, recv_x, recv_count)
+            t1 = time.perf_counter()
+            ep.combine_send(recv_x, h)  # the "experts" return their input: out = x * sum(w) = x
+            ep.combine_recv(h, w, out=out)
+            t2 = time.perf_counter()
+            if it >= cfg["warmup"]:
+                d_us.append((t1 - t0) * 1e6)
+                c_us.append((t2 - t1) * 1e6)
+            if it in (cfg["warmup"], cfg["warmup"] + cfg["iters"] - 1):
+                got = out.astype(np.float32) if dt is np.float32 else (out.astype(np.uint32) << 16).view(np.float32)
+                want = x if dt is np.float32 else (x.astype(np.uint32) << 16).view(np.float32)
+                verified &= bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))
+        ep.close()
+        comm.close()
+        conn.send(("result", (d_us, c_us, verified)))
+    except Exception as e:
+        conn.send(("result", "error: %r" % (e,)))
+
+
+def python_ep(cfg, world, build):
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for r in range(world):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=ep_rank, args=(r, world, b, cfg, build), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    results, gathered = {}, {}
+    deadline = time.time() + 300
+    try:
+        while len(results) < world:
+            if time.time() > deadline:
+                raise RuntimeError("python ranks did not finish")
+            for r, c in enumerate(pipes):
+                if r in results or not c.poll(0.01):
+                    continue
+                kind, payload = c.recv()
+                if kind == "ag":
+                    gathered[r] = payload
+                    if len(gathered) == world:
+                        for k in range(world):
+                            pipes[k].send([gathered[i] for i in range(world)])
+                        gathered = {}
+                else:
+                    results[r] = payload
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r, res in results.items():
+        if isinstance(res, str):
+            raise RuntimeError("rank %d: %s" % (r, res))
+    # Per iteration the slowest rank, then the median (as ep-bench does).
+    d = sorted(max(results[r][0][i] for r in range(world)) for i in range(cfg["iters"]))
+    c = sorted(max(results[r][1][i] for r in range(world)) for i in range(cfg["iters"]))
+    return {"d": d[len(d) // 2], "c": c[len(c) // 2], "verified": all(results[r][2] for r in range(world))}
+
+
+def cpp_ep(ep_bench, cfg, world):
+    cmd = [ep_bench, "--provider", cfg["provider"], "--world", str(world), "--tokens", str(cfg["tokens"]),
+           "--hidden", str(cfg["hidden"]), "--topk", str(cfg["topk"]), "--experts", str(cfg["experts"]),
+           "--dtype", "f32" if cfg["dtype"] == "float32" else "bf16", "--iters", str(cfg["iters"]), "--json"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode, p.stderr[-2000:]))
+    start = p.stdout.index("{")
+    rows = json.loads(p.stdout[start:])["results"]
+    r = rows[0]
+    return {"d": r["dispatch_p50_us"], "c": r["combine_p50_us"], "verified": r["verified"]}
+
+
+def ep_overhead(build, providers, repeat, world, shape):
+    """dispatch+combine through Python against ep-bench (C++), same shape, same provider, one run."""
     import ponte
     ep_bench = os.path.join(build, "bench", "ep-bench")
     if not hasattr(ponte, "EpBuffer") or not os.access(ep_bench, os.X_OK):
-        print("py_overhead: MoE comparison skipped: %s" % ("ponte.EpBuffer is not built" if not hasattr(ponte, "EpBuffer")
+        print("py_overhead: MoE comparison SKIPPED: %s" % ("ponte.EpBuffer is not built" if not hasattr(ponte, "EpBuffer")
                                                           else ep_bench + " is not built"))
-        return
+        return True
+    ok = True
+    print()
+    print("py_overhead: MoE dispatch+combine, W=%d, T=%d H=%d top-%d E=%d %s, p50 over %d iterations of the slowest"
+          " rank, best of %d" % (world, shape["tokens"], shape["hidden"], shape["topk"], shape["experts"],
+                                 shape["dtype"], shape["iters"], repeat))
+    print("%-14s %-8s %12s %12s %12s %9s" % ("provider", "who", "dispatch_us", "combine_us", "sum_us", "verified"))
+    for provider in providers:
+        cfg = dict(shape, provider=provider)
+        runs = {"c++": [], "python": []}
+        for _ in range(repeat):
+            for who in ("c++", "python"):
+                try:
+                    runs[who].append(cpp_ep(ep_bench, cfg, world) if who == "c++" else python_ep(cfg, world, build))
+                except Exception as e:
+                    print("py_overhead: %s dispatch+combine on %s: %s" % (who, provider, e))
+                    ok = False
+        best = {k: min(v, key=lambda r: r["d"] + r["c"]) for k, v in runs.items() if v}
+        for who in ("c++", "python"):
+            if who in best:
+                r = best[who]
+                print("%-14s %-8s %12.1f %12.1f %12.1f %9s" % (provider, who, r["d"], r["c"], r["d"] + r["c"],
+                                                             "yes" if r["verified"] else "NO"))
+                ok &= bool(r["verified"])
+        if len(best) == 2:
+            print("%-14s ratio c++/python time = %.3f (target >= 0.9)" % (
+                provider, (best["c++"]["d"] + best["c++"]["c"]) / (best["python"]["d"] + best["python"]["c"])))
+    return ok
 
 
 if __name__ == "__main__":
