@@ -97,7 +97,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
       PONTE_ASSIGN_OR_RETURN(auto nic, im.backend->open_nic(d));
       nics.push_back(std::move(nic));
     }
-    auto grp = std::make_unique<NicGroup>(static_cast<int>(gi), cfg, std::move(nics), im.backend->kind(), im.nonce);
+    auto grp = std::make_unique<NicGroup>(static_cast<int>(gi), cfg, std::move(nics), im.backend->kind(), im.nonce,
+                                          im.opts.dense_imm_values);
     std::vector<int> cores;
     if (gi < im.opts.group_cores.size()) cores = im.opts.group_cores[gi];
     if (cores.empty() && !cfg.progress_cores.empty()) cores = {cfg.progress_cores[gi % cfg.progress_cores.size()]};

@@ -64,6 +64,10 @@ struct EngineOptions {
   // each GPU's nearest NICs matched by PCI bus id and its worker pinned near it; false (default)
   // one host-memory group.
   bool per_gpu_groups = false;
+  // Immediate values below this are counted in a flat array per group (4 bytes each, any number
+  // of them at once, never full) instead of the shared table of 57344 distinct values that never
+  // forgets one. Poller view only (imm_arrived / consume_imm): expect_imm refuses them.
+  uint32_t dense_imm_values = 0;
 };
 
 class Engine {

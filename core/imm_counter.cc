@@ -6,7 +6,8 @@ namespace ponte {
 
 static inline size_t hash32(uint32_t v) { return static_cast<size_t>(v) * 0x9E3779B1u; }
 
-ImmCounterTable::ImmCounterTable(size_t capacity, size_t max_waiters) {
+ImmCounterTable::ImmCounterTable(size_t capacity, size_t max_waiters, uint32_t dense)
+    : dense_(dense ? std::make_unique<std::atomic<uint32_t>[]>(dense) : nullptr), dense_n_(dense) {
   size_t cap = 16;
   while (cap < capacity) cap <<= 1;
   mask_ = cap - 1;
@@ -71,6 +72,10 @@ void ImmCounterTable::unlink(Entry* e, uint32_t idx) {
 }
 
 bool ImmCounterTable::arrive(uint32_t value) {
+  if (value < dense_n_) {
+    dense_[value].fetch_add(1, std::memory_order_acq_rel);
+    return true;
+  }
   Entry* e = find_or_insert(value);
   if (!e) return false;
   e->count.fetch_add(1, std::memory_order_acq_rel);
@@ -80,6 +85,8 @@ bool ImmCounterTable::arrive(uint32_t value) {
 
 Status ImmCounterTable::expect(uint32_t value, uint32_t count, uint32_t from_peer,
                                std::chrono::steady_clock::time_point deadline, Notify done) {
+  if (value < dense_n_)
+    return Status(Code::kInvalidArgument, "immediate 0x%x is counted densely: poll it (imm_arrived)", value);
   if (free_waiter_ == kNone) return Status(Code::kResource, "too many immediate expectations pending");
   Entry* e = find_or_insert(value);
   if (!e) return Status(Code::kResource, "immediate counter table full (%zu values)", mask_ + 1);
@@ -127,11 +134,16 @@ void ImmCounterTable::fail_all(const Status& st) {
 }
 
 uint32_t ImmCounterTable::arrived(uint32_t value) const {
+  if (value < dense_n_) return dense_[value].load(std::memory_order_acquire);
   const Entry* e = find(value);
   return e ? e->count.load(std::memory_order_acquire) : 0;
 }
 
 void ImmCounterTable::consume(uint32_t value, uint32_t n) {
+  if (value < dense_n_) {
+    if (n) dense_[value].fetch_sub(n, std::memory_order_acq_rel);
+    return;
+  }
   Entry* e = find(value);
   if (e && n) e->count.fetch_sub(n, std::memory_order_acq_rel);
 }

@@ -16,8 +16,9 @@ namespace ponte {
 class ImmCounterTable {
  public:
   // capacity: number of distinct immediate values the table can hold (rounded up to a power of 2);
-  // max_waiters: expectations pending at once.
-  ImmCounterTable(size_t capacity, size_t max_waiters);
+  // max_waiters: expectations pending at once; values below dense are counted in a flat array
+  // instead (never full, poller view only: expect refuses them).
+  ImmCounterTable(size_t capacity, size_t max_waiters, uint32_t dense = 0);
 
   // ---- Worker thread only.
   // Counts one arrival of value; fires the waiters it satisfies. False when the table is full
@@ -62,6 +63,8 @@ class ImmCounterTable {
   template <typename Pred>
   void fail_if(Pred pred, const Status& st);
 
+  std::unique_ptr<std::atomic<uint32_t>[]> dense_;  // counts of values below dense_n_
+  uint32_t dense_n_ = 0;
   std::unique_ptr<Entry[]> entries_;
   size_t mask_ = 0;
   size_t used_ = 0;

@@ -18,7 +18,7 @@
 namespace ponte {
 
 NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
-                   BackendKind backend, uint64_t engine_nonce)
+                   BackendKind backend, uint64_t engine_nonce, uint32_t dense_imm_values)
     : index_(index),
       cfg_(cfg),
       nics_(std::move(nics)),
@@ -27,7 +27,7 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
       queue_(cfg.queue_depth),
       slots_(cfg.max_inflight),
       peers_(kMaxPeers),
-      imm_(kImmTableSize, cfg.max_inflight) {
+      imm_(kImmTableSize, cfg.max_inflight, dense_imm_values) {
   free_slots_.reserve(slots_.size());
   for (uint32_t i = static_cast<uint32_t>(slots_.size()); i-- > 0;) free_slots_.push_back(i);
 }

@@ -51,7 +51,7 @@ struct Op {
 class NicGroup {
  public:
   NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
-           BackendKind backend, uint64_t engine_nonce);
+           BackendKind backend, uint64_t engine_nonce, uint32_t dense_imm_values = 0);
   ~NicGroup();
   Status start(const std::vector<int>& cores);  // listen socket, receive buffers, worker thread
   void stop();                                   // fails what is outstanding, joins the worker

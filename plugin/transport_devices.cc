@@ -74,6 +74,7 @@ void probe_locked(Plugin& p) {
   PONTE_NET_INFO("ponte %s, NCCL net plugin (ncclNet v11..v8)", PONTE_VERSION_STRING);
   EngineOptions opts;
   opts.groups.push_back({0});
+  opts.dense_imm_values = kDenseImmValues;
   auto e = Engine::create(opts);
   if (!e.ok()) {
     PONTE_NET_INFO("no usable NIC, ponte offers no device (%s); NCCL falls back to its own "
@@ -161,6 +162,7 @@ Status ensure_engine(Device* d) {
   if (d->engine) return Status::Ok();
   EngineOptions opts;
   opts.groups.push_back(d->nics);
+  opts.dense_imm_values = kDenseImmValues;
   auto e = Engine::create(opts);
   if (!e.ok()) {
     PONTE_NET_WARN("device %d (%s): engine failed: %s", d->index, d->name.c_str(),

@@ -19,19 +19,18 @@ constexpr uint8_t kWireVersion = 1;
 constexpr int kMaxRequests = 32;      // requests in flight per comm (NCCL_NET_MAX_REQUESTS)
 constexpr int kMaxRecvs = 8;          // buffers in one grouped receive (maxRecvs)
 constexpr int kMaxNicsPerDevice = 4;  // NICs fused into one plugin device (NCCL_NET_MAX_DEVS_PER_NIC)
-// Comm ids per device (send and receive comms together). The engine's immediate counter table
-// holds 65536 distinct values per NIC group (7/8 of them usable) and never forgets one, so the
-// values this protocol uses must come from a bounded set: 64 per receive comm (data + record for
-// 32 slots) and 32 per send comm. 800 comm ids keep even 800 receive comms (51200 values) inside.
-constexpr uint32_t kMaxCommId = 800;
+// Comm ids per device (send and receive comms together). Each id owns 64 immediate values (data or
+// CTS, and record, for 32 slots), dense from 64: the device's engine counts values below
+// kDenseImmValues in a flat array (4 MiB per device), so every id can be in use at once.
+constexpr uint32_t kMaxCommId = 16383;
 
 // ---------------------------------------------------------------------------------------------
 // Immediate values (32 bits). The engine counts immediates per value and per NIC group, so every
 // value names the comm that owns it in the group that receives it:
 //
-//   bit  31     : 1 = size record, 0 = data shard (at a receiver) or CTS slot (at a sender)
-//   bits 30..15 : 0 (reserved)
-//   bits 14..5  : comm id (1..800), allocated by the device (group) the immediate lands on
+//   bits 31..20 : 0 (reserved)
+//   bits 19..6  : comm id (1..16383), allocated by the device (group) the immediate lands on
+//   bit   5     : 1 = size record, 0 = data shard (at a receiver) or CTS slot (at a sender)
 //   bits  4..0  : request slot (request number mod 32: 32 requests in flight per comm)
 //
 // A grouped receive is one request: its n size records all carry the record value of that
@@ -41,9 +40,10 @@ constexpr uint32_t kMaxCommId = 800;
 // A closed comm's id stays unused for the engine timeout (late immediates of a comm closed with
 // work outstanding end by then), and whatever counts are left on its values are consumed before
 // the id is handed out again.
-constexpr uint32_t kImmRecordBit = 1u << 31;
-constexpr int kImmCommShift = 5;
+constexpr uint32_t kImmRecordBit = 1u << 5;
+constexpr int kImmCommShift = 6;
 constexpr uint32_t kImmSlotMask = 0x1f;
+constexpr uint32_t kDenseImmValues = (kMaxCommId + 1) << kImmCommShift;
 static_assert(kMaxRequests == 32, "the slot field is 5 bits");
 
 constexpr uint32_t imm_value(bool record, uint32_t comm_id, uint64_t request_number) {

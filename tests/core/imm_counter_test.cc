@@ -98,3 +98,19 @@ TEST(ImmCounter, PollerThreadSeesWorkerArrivals) {
   EXPECT_EQ(consumed, kValues * kEach);
   for (uint32_t v = 0; v < kValues; v++) EXPECT_EQ(t.arrived(v), 0u);
 }
+
+TEST(ImmCounter, DenseValuesNeverFillTheTable) {
+  // A table of 16 hashed entries, values below 100000 counted densely: every one of those fits.
+  ImmCounterTable t(16, 1, 100000);
+  for (uint32_t v = 0; v < 100000; v += 7) EXPECT_TRUE(t.arrive(v));
+  EXPECT_EQ(t.arrived(99995), 1u);
+  t.consume(99995, 1);
+  EXPECT_EQ(t.arrived(99995), 0u);
+  EXPECT_EQ(t.arrived(1), 0u);
+  // Dense values are for pollers: a waiter on one is refused, hashed values still take waiters.
+  Flag f;
+  EXPECT_EQ(t.expect(7, 1, 0, far(), f.notify()).code(), Code::kInvalidArgument);
+  EXPECT_TRUE(t.expect(100000, 1, 0, far(), f.notify()).ok());
+  EXPECT_TRUE(t.arrive(100000));
+  EXPECT_TRUE(f.done());
+}

@@ -513,6 +513,21 @@ TEST_F(PluginTest, DeregisterAndCloseWithSendsQueuedFromFourThreads) {
   close_pair(net(), &q);
 }
 
+// NCCL's alltoall and PXN open thousands of connections on large jobs: 4096 comms (2048 pairs)
+// open at once on one device, data through some of them. The immediate table used to cap a device
+// at 800 comm ids (issue 10, item 8).
+TEST_F(PluginTest, FourThousandNinetySixCommsOnOneDevice) {
+  PropertiesV11 props;
+  ASSERT_OK(net()->get_properties(0, &props));
+  EXPECT_GE(props.max_comms, 4096);
+  std::vector<Pair> pairs(2048);
+  for (size_t i = 0; i < pairs.size(); ++i)
+    ASSERT_EQ(connect_pair(net(), 0, 0, &pairs[i]), kSuccess) << "pair " << i;
+  for (size_t i = 0; i < pairs.size(); i += 255) transfer(pairs[i], 70000, 70000, static_cast<uint32_t>(i));
+  transfer(pairs.back(), 5000, 5000, 99);
+  for (auto& p : pairs) close_pair(net(), &p);
+}
+
 TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
   // Device 0 fused with itself: the engine opens the NIC twice, and writes above the stripe
   // threshold are split over both.
