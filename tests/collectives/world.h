@@ -2,6 +2,7 @@
 // are the binary started again (PeerProcess). The AllGather runs over their channels, rank 0 as hub.
 #pragma once
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,9 +17,17 @@ inline AllGather hub_allgather(std::vector<std::unique_ptr<PeerProcess>>& ranks)
   return [&ranks](std::span<const uint8_t> mine, std::vector<std::vector<uint8_t>>* all) -> Status {
     all->assign(ranks.size() + 1, {});
     (*all)[0].assign(mine.begin(), mine.end());
-    for (size_t i = 0; i < ranks.size(); i++)
-      if (!ranks[i]->channel().recv(&(*all)[i + 1], 60000))
+    for (size_t i = 0; i < ranks.size(); i++) {
+      std::vector<uint8_t>& b = (*all)[i + 1];
+      if (!ranks[i]->channel().recv(&b, 60000))
         return Status(Code::kPeerDead, "bootstrap: rank %zu did not send its bytes", i + 1);
+      // A rank whose Communicator::create failed before its AllGather sends its error text instead
+      // ("communicator: ..."): report that, not a malformed record.
+      static constexpr char kFailed[] = "communicator: ";
+      if (b.size() >= sizeof(kFailed) - 1 && memcmp(b.data(), kFailed, sizeof(kFailed) - 1) == 0)
+        return Status(Code::kPeerDead, "bootstrap: rank %zu failed: %.*s", i + 1, static_cast<int>(b.size()),
+                      reinterpret_cast<const char*>(b.data()));
+    }
     for (auto& r : ranks)
       for (auto& b : *all)
         if (!r->channel().send(b)) return Status(Code::kPeerDead, "bootstrap: a rank left");
