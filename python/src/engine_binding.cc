@@ -24,6 +24,7 @@ namespace ponte::py {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int kGroup = 0;  // the engine's host-memory group, the only one Python sees
 
 struct OpState;
 
@@ -153,6 +154,33 @@ void RegionState::close() {
   if (!st.ok()) raise_error(st, "Region.close");
 }
 
+// Before a wait sleeps: the waiting thread runs the group's data path itself (Engine::progress),
+// as NCCL's proxy does in test(), so that the engine's worker backs off instead of spinning beside
+// it for the CPU and no completion needs a cross-thread wake-up. It yields only after a pass that
+// moved nothing, and stops polling after kPollWindow without progress (or when the engine closes),
+// then sleeps on the cell: a long wait does not burn a core. The GIL is released by the caller.
+constexpr auto kPollWindow = std::chrono::milliseconds(1);
+
+void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point end) {
+  std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: just sleep
+  if (!lock.owns_lock()) return;
+  Engine* eng = es.engine.get();
+  if (!eng) return;
+  auto idle_since = Clock::now();
+  uint32_t passes = 0;
+  while (!cell.done() && !es.closing.load(std::memory_order_relaxed)) {
+    if (eng->progress(kGroup)) {
+      passes = 0;
+      continue;
+    }
+    std::this_thread::yield();
+    if ((++passes & 15u) != 0) continue;  // the clock every 16 idle passes
+    auto now = Clock::now();
+    if (passes == 16) idle_since = now;
+    if (now - idle_since >= kPollWindow || now >= end) return;
+  }
+}
+
 // The Python handle of an OpState.
 struct Operation {
   OpState* op = nullptr;
@@ -173,6 +201,10 @@ struct Operation {
   bool done() const { return op->cell.done(); }
   void wait(pyb::handle timeout_s) {
     auto timeout = arg_timeout(timeout_s, "timeout_s");
+    if (!op->cell.done()) {
+      pyb::gil_scoped_release nogil;
+      poll_until_done(*eng, op->cell, timeout ? Clock::now() + *timeout : Clock::time_point::max());
+    }
     if (!wait_cell(op->cell, timeout)) {
       double s = std::chrono::duration<double>(*timeout).count();
       PyErr_Format(PyExc_TimeoutError, "%s: not done after %.3f s (still in flight)", what, s);
@@ -327,7 +359,6 @@ void close_all() {
   for (auto& s : live) s->close();
 }
 
-constexpr int kGroup = 0;
 
 }  // namespace
 
@@ -396,6 +427,10 @@ void bind_engine(pyb::module_& m) {
         }
         const Operation* failed = nullptr;
         for (Operation* o : list) {
+          if (!o->op->cell.done()) {
+            py::gil_scoped_release nogil;
+            poll_until_done(*o->eng, o->op->cell, end);
+          }
           std::optional<std::chrono::nanoseconds> left;
           if (timeout) left = std::max(std::chrono::nanoseconds(0), std::chrono::nanoseconds(end - Clock::now()));
           if (!wait_cell(o->op->cell, left)) {
