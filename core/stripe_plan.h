@@ -10,6 +10,9 @@ namespace ponte {
 // The largest shard ponte puts in one write. Each group advertises the smallest max_msg_size of its
 // NICs; both ends use min(theirs, ours, kMaxShardBytes), so they agree on the shard count.
 constexpr size_t kMaxShardBytes = size_t{1} << 30;
+// Shard boundaries fall on multiples of this: NCCL's LL128 lines (128 bytes, flag in the last 8)
+// must each travel whole through one NIC, never split between two.
+constexpr size_t kShardAlignBytes = 128;
 
 struct StripePlan {
   uint32_t shards = 1;   // number of writes (each carries the immediate, if any)
@@ -17,7 +20,7 @@ struct StripePlan {
   int nics = 1;          // NICs used: shard j goes to NIC (first_nic + j) % nics
 
   // len: write size; nics: min(local, peer) NICs; stripe_min: below this, one NIC; max_shard:
-  // the largest write both ends' NICs take (rounded down to 64 bytes, at least 64).
+  // the largest write both ends' NICs take (rounded down to kShardAlignBytes, at least that).
   static StripePlan make(size_t len, int nics, size_t stripe_min, size_t max_shard = kMaxShardBytes);
   size_t shard_offset(uint32_t j) const { return static_cast<size_t>(j) * shard_bytes; }
   size_t shard_len(uint32_t j, size_t len) const {

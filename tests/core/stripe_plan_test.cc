@@ -1,6 +1,8 @@
 // StripePlan: shard counts both ends agree on, shards that cover the write exactly once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "core/stripe_plan.h"
 
 using namespace ponte;
@@ -38,7 +40,7 @@ TEST(StripePlan, AboveThresholdStripesOverEveryNic) {
       auto p = StripePlan::make(len, nics, 256 * 1024);
       EXPECT_EQ(p.shards, static_cast<uint32_t>(nics));
       EXPECT_EQ(p.nics, nics);
-      EXPECT_EQ(p.shard_bytes % 64, 0u);
+      EXPECT_EQ(p.shard_bytes % kShardAlignBytes, 0u);
       expect_covers(p, len);
     }
   }
@@ -64,7 +66,29 @@ TEST(StripePlan, ShardsRespectTheNicsLargestMessage) {
   EXPECT_EQ(two.shards, 8u);
   EXPECT_LE(two.shard_bytes, max);
   expect_covers(two, 64 << 20);
-  auto odd = StripePlan::make(1000, 1, 0, 100);  // rounded down to 64
-  EXPECT_EQ(odd.shards, 16u);
+  auto odd = StripePlan::make(1000, 1, 0, 100);  // raised to one 128-byte line
+  EXPECT_EQ(odd.shards, 8u);
   expect_covers(odd, 1000);
+}
+
+// NCCL's LL128 protocol needs every 128-byte line to arrive whole: a line split over two NICs can
+// land half old, half new, with its flag already set. Every shard must therefore start on a
+// 128-byte boundary (issue 10, item 5; shards used to be aligned to 64 bytes only).
+TEST(StripePlan, EveryShardBoundaryIsALl128LineBoundary) {
+  EXPECT_EQ(kShardAlignBytes % 128, 0u);
+  const size_t maxes[] = {kMaxShardBytes, size_t{8} << 20, 4096 + 64, 1000};
+  for (int nics = 1; nics <= 8; ++nics) {
+    for (size_t max : maxes) {
+      for (size_t len = 0; len < (size_t{3} << 20); len = len * 3 + 1 + len / 7) {
+        auto p = StripePlan::make(len, nics, 0, max);
+        for (uint32_t j = 0; j < p.shards; ++j) {
+          if (p.shard_len(j, len) == 0) continue;
+          ASSERT_EQ(p.shard_offset(j) % 128, 0u)
+              << "shard " << j << " of " << p.shards << ", len " << len << ", nics " << nics << ", max " << max;
+        }
+        ASSERT_LE(p.shard_bytes, std::max<size_t>(max & ~size_t{127}, 128)) << len << " over " << nics;
+        expect_covers(p, len);
+      }
+    }
+  }
 }
