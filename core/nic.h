@@ -29,6 +29,9 @@ struct NicInfo {
   bool virt_addr = true;         // peers address this NIC's memory by virtual address (else offset)
   bool device_memory = false;    // can register CUDA memory (FI_HMEM, dmabuf or peermem)
   bool dmabuf = false;           // registers CUDA memory through dmabuf
+  // Each write lands in order per aligned 128-byte line, so NCCL's LL128 lines arrive whole
+  // (verbs RC; EFA once FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES is granted on the endpoint).
+  bool write_ordered_128 = false;
 };
 
 enum class MemKind : uint8_t { kHost = 0, kCuda = 1 };

@@ -66,6 +66,27 @@ int ptr_support_of(const std::vector<const NicInfo*>& nics) {
          (cuda && dmabuf ? nccl_abi::kPtrDmabuf : 0);
 }
 
+// NCCL's LL128 protocol (on by default over the network on Hopper) needs each 128-byte line of a
+// write to land whole and in order. Where the NIC cannot promise it (libfabric providers other than
+// EFA with FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES granted), NCCL is told to use its Simple
+// protocol, as aws-ofi-nccl does: NCCL_PROTO=simple in the environment NCCL reads when it builds a
+// communicator, unless the user set NCCL_PROTO. Logged once per process.
+void avoid_ll128_unless_ordered(const NicInfo& nic) {
+  if (nic.write_ordered_128) return;
+  static std::atomic<bool> logged{false};
+  const char* user = getenv("NCCL_PROTO");
+  const bool set = user == nullptr && setenv("NCCL_PROTO", "simple", 0) == 0;
+  if (logged.exchange(true)) return;
+  if (set)
+    PONTE_NET_INFO("%s (provider %s) promises no 128-byte write ordering: NCCL_PROTO=simple set, "
+                   "NCCL avoids LL128 and LL over ponte",
+                   nic.name.c_str(), nic.provider.c_str());
+  else
+    PONTE_NET_INFO("%s (provider %s) promises no 128-byte write ordering; NCCL_PROTO=%s was set by "
+                   "the user and is kept (LL128 there may corrupt data)",
+                   nic.name.c_str(), nic.provider.c_str(), user ? user : "?");
+}
+
 // Lists the backend's NICs with a throwaway engine over NIC 0 (the engine offers no listing
 // without opening one); kept as device 0's engine, as device 0 is the one most often used.
 void probe_locked(Plugin& p) {
@@ -85,6 +106,7 @@ void probe_locked(Plugin& p) {
   std::unique_ptr<Engine> engine = std::move(e).value();
   p.backend = engine->backend();
   p.nics = engine->devices();
+  avoid_ll128_unless_ordered(engine->nic_info(0, 0));  // NIC 0's endpoint, opened: what it granted
   const auto& cfg = global_config();
   PONTE_NET_INFO("%s backend%s%s, %zu NIC(s)", backend_name(p.backend),
                  p.backend == BackendKind::kFabric ? ", provider " : "",

@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdio>
 
+#include "core/fabric/fabric_ep_options.h"
 #include "core/log.h"
 
 namespace ponte::fabric {
@@ -70,6 +71,9 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight) {
   rc = fi_ep_bind(ep_, &cq_.cq()->fid, FI_TRANSMIT | FI_RECV);
   if (rc != 0)
     return Status(Code::kTransport, "binding the completion queue: %s", lib_.error_text(rc));
+  auto opts = set_endpoint_options(lib_, ep_, *fi);  // before fi_enable: EFA refuses them after
+  if (!opts.ok()) return opts.status();
+  info_.write_ordered_128 = opts->write_ordered_128;
   rc = fi_enable(ep_);
   if (rc != 0) return Status(Code::kTransport, "fi_enable: %s", lib_.error_text(rc));
 

@@ -132,6 +132,7 @@ Result<std::unique_ptr<VerbsBackend>> VerbsBackend::open(const Config& cfg) {
       info.max_inline = max_inline;
       info.virt_addr = true;
       info.dmabuf = dmabuf;
+      info.write_ordered_128 = true;  // RC delivers a write's bytes in order (NCCL's IB transport relies on it)
       info.device_memory = dmabuf || peermem;
       b->ports_.push_back(std::move(vp));
     }

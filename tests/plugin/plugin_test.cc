@@ -563,6 +563,47 @@ TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
   close_pair(net(), &p);
 }
 
+// NCCL_PROTO as this process started, before the plugin could set it (main records it).
+std::string& user_nccl_proto() {
+  static std::string v = "(unset)";
+  return v;
+}
+
+// LL128 needs each 128-byte line of a write to land whole and in order. Verbs RC promises it; of
+// the libfabric providers only EFA with FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES does. Where
+// there is no promise (tcp;ofi_rxm, shm here) the plugin tells NCCL to use its Simple protocol
+// (NCCL_PROTO=simple, as aws-ofi-nccl does), keeps a user's own NCCL_PROTO, and logs it once
+// (issue 10, item 5).
+TEST_F(PluginTest, NoByteOrderingPromiseTellsNcclToAvoidLl128) {
+  const char* backend = getenv("PONTE_BACKEND");
+  const char* proto = getenv("NCCL_PROTO");
+  const std::string now = proto ? proto : "(unset)";
+  if (backend && std::string(backend) == "verbs") {
+    EXPECT_EQ(now, user_nccl_proto()) << "verbs RC orders writes: NCCL_PROTO must stay as it was";
+    EXPECT_FALSE(log_record().contains("promises no 128-byte write ordering"));
+    return;
+  }
+  const char* provider = getenv("PONTE_FABRIC_PROVIDER");
+  ASSERT_TRUE(provider && std::string(provider).rfind("efa", 0) != 0)
+      << "this test expects a provider without 128-byte ordering (tcp;ofi_rxm or shm)";
+  if (user_nccl_proto() == "(unset)") {
+    EXPECT_EQ(now, "simple");
+    EXPECT_TRUE(log_record().contains("promises no 128-byte write ordering: NCCL_PROTO=simple set"));
+  } else {
+    EXPECT_EQ(now, user_nccl_proto()) << "a user's NCCL_PROTO is kept";
+    EXPECT_TRUE(log_record().contains("was set by the user and is kept"));
+  }
+  // Once per process, however many inits and probes.
+  Net again;
+  ASSERT_OK(again.init_result);
+  int lines = 0;
+  {
+    std::lock_guard<std::mutex> lock(log_record().mu);
+    for (const auto& l : log_record().lines) lines += l.find("promises no 128-byte write ordering") != std::string::npos;
+  }
+  EXPECT_EQ(lines, 1);
+}
+
 TEST_F(PluginTest, FourNicDeviceConnectsThroughABootstrapGroup) {
   // Four NICs' engine address is longer than NCCL's handle holds (tcp: 106 > 104 bytes): the
   // handle names a one-NIC bootstrap group and the listener answers from the fused group.
@@ -1114,6 +1155,7 @@ int peer_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (const char* proto = getenv("NCCL_PROTO")) user_nccl_proto() = proto;
   set_test_environment();
   if (argc > 1 && std::string(argv[1]) == "--ponte-peer") return peer_main(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
