@@ -62,8 +62,13 @@ def target_proc(conn, provider, size, window, build):
                 want = (np.arange(size * window, dtype=np.uint64) * 7 + seed).astype(np.uint8)
                 conn.send("ok" if np.array_equal(buf, want) else "VERIFY FAILED")
             elif msg[0] == "expect":
+                # Armed before the stream starts, as ponte-bench's target arms its counter before
+                # it answers 'R': a counter that waits keeps the worker polling (tcp;ofi_rxm is a
+                # manual-progress provider; an idle target would poll only every 50 us).
                 _, value, count = msg
-                eng.expect_imm(value, count).wait(120)
+                op = eng.expect_imm(value, count)
+                conn.send("armed")
+                op.wait(120)
                 conn.send("ok")
             else:
                 break
@@ -99,6 +104,11 @@ def python_stream(provider, size, window, iters, build):
         answer = parent.recv() if parent.poll(90) else "no answer"
         if answer != "ok":
             raise RuntimeError("python stream: " + str(answer))
+        # The target arms its counter for the closing immediate first (as ponte-bench's does).
+        parent.send(("expect", 2, 1))
+        armed = parent.recv() if parent.poll(60) else "no answer"
+        if armed != "armed":
+            raise RuntimeError("python stream: target: " + str(armed))
         # The stream: window writes in flight; the oldest is waited for, then the next submitted.
         inflight = collections.deque()
         write = eng.write
@@ -112,7 +122,6 @@ def python_stream(provider, size, window, iters, build):
             inflight.popleft().wait()
         dt = time.perf_counter() - t0
         # The target hears the end through one immediate, after the stream completed.
-        parent.send(("expect", 2, 1))
         eng.imm(peer, 2).wait(60)
         answer = parent.recv() if parent.poll(90) else "no answer"
         if answer != "ok":
