@@ -89,6 +89,9 @@ Result<Config> Config::from_env() {
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_TIMEOUT", 31, &c.ib_timeout));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_RETRY_CNT", 7, &c.ib_retry_count));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_NICS", 16, &c.nics_per_group));
+  int flush_host = 0;
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_FLUSH_HOST", 1, &flush_host));
+  c.flush_host = flush_host != 0;
   if (const char* v = env("PONTE_STRIPE_MIN")) {
     auto r = parse_size(v);
     if (!r.ok()) return Status(Code::kInvalidArgument, "PONTE_STRIPE_MIN: %s", r.status().message());

@@ -38,6 +38,7 @@ struct Config {
   uint32_t recv_buf_count = 128;                 // PONTE_RECV_COUNT: receive buffers per NIC
   std::vector<int> progress_cores;               // PONTE_PROGRESS_CORES: "2,3" pins workers
   std::string topo_file;                         // PONTE_TOPO_FILE: hwloc XML instead of live host
+  bool flush_host = false;                       // PONTE_FLUSH_HOST: plugin flushes host memory too
   int log_level = 1;                             // PONTE_LOG: 0 error, 1 warn, 2 info, 3 debug
 
   // Parses the environment. Bad values give kInvalidArgument naming the variable.

@@ -2,6 +2,7 @@
 // hands operations to the owning group's worker.
 #include "core/engine.h"
 
+#include <algorithm>
 #include <random>
 
 #include "core/cuda_memory.h"
@@ -294,9 +295,9 @@ Status Engine::write_imm_whole(int group, PeerId peer, const LocalSlice& src, co
   return submit_write(g, group, peer, src, dst, dst_offset, &imm, true, done);
 }
 
-Status Engine::read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src, size_t src_offset,
-                    Notify done) {
-  PONTE_GROUP_OR_RETURN(g, group);
+// Engine::read and read_each_nic: count 0 reads through one NIC, else through that many.
+static Status submit_read(NicGroup* g, int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
+                          size_t src_offset, uint32_t count, Notify done) {
   PONTE_RETURN_IF_ERROR(check_peer(g, peer));
   PONTE_RETURN_IF_ERROR(check_local(dst, group));
   PONTE_RETURN_IF_ERROR(check_remote(src, src_offset, dst.len));
@@ -308,8 +309,29 @@ Status Engine::read(int group, PeerId peer, const LocalSlice& dst, const RemoteR
   op.len = dst.len;
   op.remote = src;
   op.remote_offset = src_offset;
+  op.count = count;
   op.done = done;
   return g->submit(op);
+}
+
+Status Engine::read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src, size_t src_offset,
+                    Notify done) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  return submit_read(g, group, peer, dst, src, src_offset, 0, done);
+}
+
+Status Engine::read_each_nic(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
+                             size_t src_offset, int nics, Notify done) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  if (nics < 1 || nics > kMaxNicsPerGroup)
+    return Status(Code::kInvalidArgument, "read_each_nic: %d NICs (1..%d)", nics, kMaxNicsPerGroup);
+  const int n = std::min<int>({nics, g->nic_count(), static_cast<int>(src.nics)});
+  return submit_read(g, group, peer, dst, src, src_offset, static_cast<uint32_t>(std::max(n, 1)), done);
+}
+
+uint64_t Engine::reads_posted(int group, int nic) const {
+  const NicGroup* g = impl_->group(group);
+  return g ? g->reads_posted(nic) : 0;
 }
 
 Status Engine::paged_write(int group, PeerId peer, const MemoryRegion& src, std::span<const uint32_t> src_pages,

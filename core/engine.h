@@ -134,6 +134,14 @@ class Engine {
   // RDMA read of len bytes from src+src_offset into dst.
   Status read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
               size_t src_offset, Notify done);
+  // A flush: the same read once through each of the group's first `nics` NICs (NIC k reads from
+  // the peer's NIC k; nics is capped at both ends' NIC counts). PCIe orders a NIC's writes only
+  // before that NIC's own later reads, so data written into GPU memory through several NICs is
+  // visible only once each of them has read. done fires once, when every read has ended.
+  Status read_each_nic(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
+                       size_t src_offset, int nics, Notify done);
+  // Reads posted through NIC `nic` of the group so far (a flush's reads among them).
+  uint64_t reads_posted(int group, int nic) const;
   // Page i of the source (src_pages[i] * page_size within src) goes to page dst_pages[i] of dst.
   // Each page is one write; with imm each carries it (count = pages). The index arrays must stay
   // valid until done fires.

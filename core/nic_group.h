@@ -39,7 +39,7 @@ struct Op {
   size_t page_size = 0;
   const ScatterTarget* targets = nullptr;
   const PeerId* peers = nullptr;
-  uint32_t count = 0;       // pages, targets, peers, or expected immediates
+  uint32_t count = 0;       // pages, targets, peers, expected immediates, or kRead's NICs (0: one)
   uint32_t timeout_ms = 0;  // kExpect
   void (*call)(void* arg) = nullptr;  // kCall: runs on the worker
   void* call_arg = nullptr;
@@ -59,6 +59,9 @@ class NicGroup {
   int index() const { return index_; }
   int nic_count() const { return static_cast<int>(nics_.size()); }
   const NicInfo& nic_info(int i) const { return nics_[i]->info(); }
+  uint64_t reads_posted(int i) const {
+    return i >= 0 && i < kMaxNicsPerGroup ? reads_posted_[i].load(std::memory_order_relaxed) : 0;
+  }
   const Config& config() const { return cfg_; }
   std::vector<uint8_t> address() const { return address_bytes_; }
 
@@ -216,6 +219,7 @@ class NicGroup {
 
   std::vector<Peer> peers_;
   std::atomic<uint32_t> next_peer_{0};
+  std::atomic<uint64_t> reads_posted_[kMaxNicsPerGroup] = {};  // per NIC; read by reads_posted()
   std::vector<PendingSocket> pending_;
   AuthKey auth_;                 // what an accepted connection must prove
   uint64_t uninvited_ = 0;       // connections dropped for not proving it (the first is logged)

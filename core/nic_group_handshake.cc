@@ -290,7 +290,10 @@ void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point 
     PONTE_LOG_WARN("group %d: dropping a control connection: %s", index_, addr.status().message());
     return drop_pending(i, nullptr);
   }
-  PeerId id = find_peer(addr->engine_nonce, addr->group);
+  // A group connected to itself (the plugin's flush reads) is two peers, its outbound and its
+  // inbound end: never fold the inbound connection into the outbound peer that made it.
+  const bool self = addr->engine_nonce == engine_nonce_ && addr->group == index_;
+  PeerId id = self ? kAnyPeer : find_peer(addr->engine_nonce, addr->group);
   if (id == kAnyPeer) {
     id = next_peer_.fetch_add(1, std::memory_order_relaxed);
     if (id >= kMaxPeers) {

@@ -136,6 +136,9 @@ void NicGroup::start_op(const Op& op) {
     case Op::kBarrier:
       s.shards = op.count;
       break;
+    case Op::kRead:
+      s.shards = op.count ? op.count : 1;  // read_each_nic: one read per NIC
+      break;
     default:
       s.shards = 1;
       break;
@@ -188,10 +191,13 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
       break;
     }
     case Op::kRead: {
-      int k = static_cast<int>(s.first_nic % static_cast<uint32_t>(std::min<int>(pn, op.remote.nics)));
+      const uint32_t n = static_cast<uint32_t>(std::min<int>(pn, op.remote.nics));
+      int k = static_cast<int>((op.count ? j : s.first_nic) % n);
       rc = nics_[k]->post_read(p.nic_peer[k], static_cast<uint8_t*>(op.mr->addr) + op.offset, op.len,
                                op.mr->nic_mrs[k].desc, op.remote.remote_base[k] + op.remote_offset,
                                op.remote.rkey[k], ctx);
+      // One writer at a time (the worker or the one thread inside progress): no read-modify-write.
+      if (rc.ok()) reads_posted_[k].store(reads_posted_[k].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
       break;
     }
     case Op::kPaged: {

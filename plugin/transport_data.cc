@@ -220,11 +220,13 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
   if (!c) return bad("iflush: not a recv comm");
   if (n < 1 || n > kMaxRecvs || !data || !sizes || !mhandles) return bad("iflush: bad arguments");
   // Only data written by the NIC into GPU memory needs a flush: a read from the NIC after the
-  // writes makes them visible to the GPU. Host memory is coherent already.
+  // writes makes them visible to the GPU. Host memory is coherent already (PONTE_FLUSH_HOST=1
+  // flushes it anyway, to test this path without a GPU).
+  const bool flush_host = global_config().flush_host;
   int last = -1;
   for (int i = 0; i < n; ++i) {
     auto* m = static_cast<const MrEntry*>(mhandles[i]);
-    if (sizes[i] > 0 && tag_at(m) == kMagicMr && m->kind == MemKind::kCuda) last = i;
+    if (sizes[i] > 0 && tag_at(m) == kMagicMr && (m->kind == MemKind::kCuda || flush_host)) last = i;
   }
   if (last < 0) return Status::Ok();
   Device* d = c->dev;
@@ -253,8 +255,11 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
   f->pending.store(1, std::memory_order_relaxed);
   c->inflight.fetch_add(1, std::memory_order_relaxed);
   hold(f, m);
-  Status st = d->engine->read(d->group, self, LocalSlice{&c->mrs[2], 0, len}, m->remote, off,
-                              Notify{&held_done, f});
+  // PCIe orders a NIC's writes only before that same NIC's later reads: read through every NIC
+  // the peer's data may have come through (writes stripe and rotate over all of them).
+  const int nics = std::max(1, d->engine->peer_nics(d->group, c->peer));
+  Status st = d->engine->read_each_nic(d->group, self, LocalSlice{&c->mrs[2], 0, len}, m->remote,
+                                       off, nics, Notify{&held_done, f});
   if (!st.ok()) {
     release_held(f);
     f->pending.store(0, std::memory_order_relaxed);

@@ -69,6 +69,16 @@ void teardown_device(Device* d) {
   }
   for (MrEntry* m : d->mrs) (void)d->engine->deregister(m->mr);
   if (d->ctrl_free.load() == ~0ull && d->ctrl_mr.id != 0) (void)d->engine->deregister(d->ctrl_mr);
+  // What the flushes did, per NIC (iflush reads through every NIC that carried data).
+  std::string reads;
+  uint64_t total = 0;
+  for (int k = 0; k < d->engine->nics_in_group(d->group); ++k) {
+    const uint64_t r = d->engine->reads_posted(d->group, k);
+    total += r;
+    if (k) reads += ',';
+    reads += std::to_string(r);
+  }
+  if (total) PONTE_NET_INFO("device %d (%s): flush reads posted per NIC: %s", d->index, d->nic_desc.c_str(), reads.c_str());
   // Then the engine: its worker runs no callback after this, so every object can go.
   d->engine.reset();
   {

@@ -563,6 +563,62 @@ TEST_F(PluginTest, VirtualDeviceStripesOverTwoNics) {
   close_pair(net(), &p);
 }
 
+// A flush must read through every NIC that wrote: PCIe orders a NIC's writes only before that
+// NIC's own later reads, and striped data reaches a virtual device's receive buffer through all of
+// its NICs. iflush used to read through one NIC (issue 10, item 6). PONTE_FLUSH_HOST=1 (set by
+// main) makes the plugin flush host memory as it would GPU memory; the engine's per-NIC read
+// counters, logged when the device closes, show which NICs the flushes read through.
+TEST_F(PluginTest, FlushReadsThroughEveryNicOfAVirtualDevice) {
+  ASSERT_STREQ(getenv("PONTE_FLUSH_HOST"), "1");
+  VDeviceProps vp{};
+  vp.ndevs = 2;
+  int vdev = -1;
+  ASSERT_OK(net()->make_vdevice(&vdev, &vp));
+  constexpr int kFlushes = 3;
+  {
+    Pair p;
+    ASSERT_OK(connect_pair(net(), vdev, vdev, &p));
+    for (int i = 0; i < kFlushes; ++i) {
+      const size_t size = 2 * kMiB + 128 * static_cast<size_t>(i);  // striped over both NICs
+      Buffer src(net(), p.send, size), dst(net(), p.recv, size);
+      ASSERT_OK(src.result);
+      ASSERT_OK(dst.result);
+      fill(src.data(), size, 300 + i);
+      void* data[1] = {dst.data()};
+      size_t sizes[1] = {size};
+      int tags[1] = {1};
+      void* mhs[1] = {dst.mh()};
+      void* rreq = nullptr;
+      void* sreq = nullptr;
+      ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
+      ASSERT_OK(post_send(net(), p.send, src.data(), size, 1, src.mh(), &sreq));
+      int got[8] = {-1};
+      ASSERT_OK(wait_request(net(), sreq, got));
+      ASSERT_OK(wait_request(net(), rreq, got));
+      int flush_sizes[1] = {static_cast<int>(size)};
+      void* freq = nullptr;
+      ASSERT_OK(net()->iflush(p.recv, 1, data, flush_sizes, mhs, &freq));
+      ASSERT_NE(freq, nullptr) << "PONTE_FLUSH_HOST=1: a host-memory flush must issue reads";
+      ASSERT_OK(wait_request(net(), freq, got));
+      EXPECT_EQ(mismatch(dst.data(), size, 300 + i), SIZE_MAX);
+    }
+    close_pair(net(), &p);
+  }
+  net_.reset();  // the device closes and logs its engine's per-NIC read counts
+  const std::string tag = "device " + std::to_string(vdev) + " (";
+  std::string counts;
+  {
+    std::lock_guard<std::mutex> lock(log_record().mu);
+    for (const auto& l : log_record().lines) {
+      const auto at = l.find("flush reads posted per NIC: ");
+      if (l.find(tag) != std::string::npos && at != std::string::npos) counts = l.substr(at + 28);
+    }
+  }
+  ASSERT_FALSE(counts.empty()) << "no per-NIC read counts logged for device " << vdev;
+  EXPECT_EQ(counts, std::to_string(kFlushes) + "," + std::to_string(kFlushes))
+      << "every flush must read once through each of the two NICs";
+}
+
 // NCCL_PROTO as this process started, before the plugin could set it (main records it).
 std::string& user_nccl_proto() {
   static std::string v = "(unset)";
@@ -1157,6 +1213,7 @@ int peer_main(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (const char* proto = getenv("NCCL_PROTO")) user_nccl_proto() = proto;
   set_test_environment();
+  setenv("PONTE_FLUSH_HOST", "1", 1);  // FlushReadsThroughEveryNicOfAVirtualDevice; no other test flushes
   if (argc > 1 && std::string(argv[1]) == "--ponte-peer") return peer_main(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
