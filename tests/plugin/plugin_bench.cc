@@ -1,15 +1,21 @@
 // plugin-bench: any NCCL net plugin driven as NCCL's proxy thread drives it (dlopen, isend/irecv/
 // test from one thread), bandwidth and ping-pong latency tables, another plugin alongside for ratios.
 //
-//   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--sizes 1k,..,64m]
-//                [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N] [--lat-iters 1000]
-//                [--repeat 3] [--nics 1] [--engine-size 4m] [--no-engine] [--timeout 60] [--json]
+//   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]
+//                [--sizes 1k,..,64m] [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N]
+//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m] [--no-engine]
+//                [--abi 11|10|9|8] [--timeout 60] [--json]
 //
-// Every run is two fresh processes (this binary started again), each loading one plugin, listening,
-// connecting to the other and accepting; side A sends and measures, side B receives. With
-// --compare the two plugins run alternately, --repeat times each, and the best run per row is
-// kept (the host is shared). The engine's own write-with-immediate bandwidth (the ceiling of
-// ponte's plugin) is measured in this process at --engine-size with the same caller loop.
+// Every run is two fresh processes (this binary started again), each loading one plugin (the
+// newest of ncclNetPlugin_v11 .. _v8 it exports, or the one --abi names), reading its device
+// properties, listening, connecting to the other and accepting; side A sends and measures, side B
+// receives. With --compare the two plugins run alternately, --repeat times each; the best run per
+// row is kept and the spread over the runs printed beside it (the host is shared; the load
+// average is printed before and after). The bandwidth loop makes one plugin call per pass per
+// comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free, or else
+// test the oldest one; --pass all posts every free slot and tests every request on each pass.
+// The engine's own write-with-immediate bandwidth (the ceiling of ponte's plugin) is measured in
+// this process at --engine-size with the same caller loop.
 // The environment picks the provider for each plugin as it would under NCCL; the defaults here are
 // PONTE_BACKEND=fabric, PONTE_FABRIC_PROVIDER=tcp;ofi_rxm and FI_TCP_IFACE=lo (loopback only).
 #include <sys/resource.h>
@@ -36,6 +42,8 @@ struct Options {
   std::string plugin;
   std::string compare;
   std::vector<std::string> callers = {"yield", "spin"};
+  bool nccl_pass = true;  // --pass nccl (one call per pass, oldest request tested) or all
+  int abi = 0;            // --abi 11|10|9|8: that ncclNet table (0: the newest exported)
   std::vector<size_t> sizes;
   std::vector<size_t> lat_sizes;
   int window = 8;
@@ -92,10 +100,10 @@ std::vector<size_t> parse_sizes(const std::string& s) {
 }
 
 constexpr const char* kUsage =
-    "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--sizes LIST]\n"
-    "                    [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N] [--warmup N]\n"
-    "                    [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m]\n"
-    "                    [--no-engine] [--timeout 60] [--json]\n";
+    "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]\n"
+    "                    [--sizes LIST] [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N]\n"
+    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m]\n"
+    "                    [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
 
 Options parse_options(int argc, char** argv, int first) {
   Options o;
@@ -113,8 +121,14 @@ Options parse_options(int argc, char** argv, int first) {
     if (a == "--plugin") o.plugin = next();
     else if (a == "--compare") o.compare = next();
     else if (a == "--caller") o.callers = split(next());
+    else if (a == "--pass") {
+      const std::string v = next();
+      if (v != "nccl" && v != "all") die("--pass takes nccl or all");
+      o.nccl_pass = v == "nccl";
+    }
     else if (a == "--sizes" || a == "--size") o.sizes = parse_sizes(next());
     else if (a == "--lat-sizes") o.lat_sizes = parse_sizes(next());
+    else if (a == "--abi") o.abi = std::stoi(next());
     else if (a == "--window") o.window = std::stoi(next());
     else if (a == "--bytes") o.bytes = parse_bytes(next());
     else if (a == "--iters") o.iters = std::stoi(next());
@@ -135,6 +149,7 @@ Options parse_options(int argc, char** argv, int first) {
     if (c != "yield" && c != "spin") die("--caller takes yield, spin or both");
   for (size_t s : o.sizes)
     if (s == 0) die("sizes must be > 0");
+  if (o.abi != 0 && (o.abi < 8 || o.abi > 11)) die("--abi takes 8, 9, 10 or 11");
   if (o.window < 1 || o.window > kMaxRequests || o.nics < 1 || o.nics > kMaxDevsPerNic ||
       o.repeat < 1 || o.lat_iters < 1 || o.iters < 0 || o.timeout_s < 1 || o.callers.empty())
     die("window must be 1..32, nics 1..4, repeat, lat-iters and timeout > 0");
@@ -188,8 +203,8 @@ struct Caller {
 
 // ---- loading a plugin -------------------------------------------------------------------------
 
-// The newest table the library exports (v11, v10 or v9), seen through the v11 layout: the older
-// tables' calls are forwarded by the shims below (one plugin per process).
+// The newest table the library exports (v11, v10, v9 or v8), seen through the v11 layout: the
+// older tables' calls are forwarded by the shims below (one plugin per process).
 struct Loaded {
   void* handle = nullptr;
   int version = 0;
@@ -197,6 +212,7 @@ struct Loaded {
 };
 NetV10* g_v10 = nullptr;
 NetV9* g_v9 = nullptr;
+NetV8* g_v8 = nullptr;
 
 NcclResult v10_init(void** ctx, uint64_t, CommConfig*, Logger logger, ProfilerCallback prof) {
   *ctx = nullptr;
@@ -212,13 +228,19 @@ NcclResult v10_get_properties(int dev, PropertiesV11* p) {
   *p = PropertiesV11{};
   return g_v10->get_properties(dev, reinterpret_cast<PropertiesV10*>(p));  // v11 extends v10
 }
-NcclResult v9_init(void** ctx, uint64_t, CommConfig*, Logger logger, ProfilerCallback) {
+// v9 and v8 share init (once, no context), listen and connect (no comm config).
+template <typename Table, Table** table>
+NcclResult old_init(void** ctx, uint64_t, CommConfig*, Logger logger, ProfilerCallback) {
   *ctx = nullptr;
-  return g_v9->init(logger);
+  return (*table)->init(logger);
 }
-NcclResult v9_listen(void*, int dev, void* handle, void** comm) { return g_v9->listen(dev, handle, comm); }
-NcclResult v9_connect(void*, int dev, void* handle, void** comm, DeviceHandle** dh) {
-  return g_v9->connect(dev, handle, comm, dh);
+template <typename Table, Table** table>
+NcclResult old_listen(void*, int dev, void* handle, void** comm) {
+  return (*table)->listen(dev, handle, comm);
+}
+template <typename Table, Table** table>
+NcclResult old_connect(void*, int dev, void* handle, void** comm, DeviceHandle** dh) {
+  return (*table)->connect(dev, handle, comm, dh);
 }
 NcclResult v9_get_properties(int dev, PropertiesV11* p) {
   *p = PropertiesV11{};
@@ -231,8 +253,33 @@ NcclResult v9_irecv(void* comm, int n, void** data, size_t* sizes, int* tags, vo
                     void** req) {
   return g_v9->irecv(comm, n, data, sizes, tags, mhs, req);
 }
+// v8: v9's calls with int sizes, properties without virtual devices, no makeVDevice.
+NcclResult v8_get_properties(int dev, PropertiesV11* p) {
+  PropertiesV8 v8{};
+  const NcclResult r = g_v8->get_properties(dev, &v8);
+  *p = PropertiesV11{};
+  p->name = v8.name, p->pci_path = v8.pci_path, p->guid = v8.guid, p->ptr_support = v8.ptr_support;
+  p->reg_is_global = v8.reg_is_global, p->speed = v8.speed, p->port = v8.port, p->latency = v8.latency;
+  p->max_comms = v8.max_comms, p->max_recvs = v8.max_recvs;
+  return r;
+}
+NcclResult v8_isend(void* comm, void* data, size_t size, int tag, void* mh, void*, void** req) {
+  if (size > static_cast<size_t>(INT32_MAX)) return kInvalidArgument;
+  return g_v8->isend(comm, data, static_cast<int>(size), tag, mh, req);
+}
+NcclResult v8_irecv(void* comm, int n, void** data, size_t* sizes, int* tags, void** mhs, void**,
+                    void** req) {
+  constexpr int kMaxGrouped = 8;  // NCCL groups at most 8 receives in one irecv
+  int isizes[kMaxGrouped];
+  if (n < 1 || n > kMaxGrouped) return kInvalidArgument;
+  for (int i = 0; i < n; ++i) {
+    if (sizes[i] > static_cast<size_t>(INT32_MAX)) return kInvalidArgument;
+    isizes[i] = static_cast<int>(sizes[i]);
+  }
+  return g_v8->irecv(comm, n, data, isizes, tags, mhs, req);
+}
 
-// The calls whose signature v9 and v10 share with v11.
+// The calls whose signature v8, v9 and v10 share with v11.
 template <typename Table>
 void copy_common(const Table* from, NetV11* t) {
   t->name = from->name;
@@ -244,19 +291,37 @@ void copy_common(const Table* from, NetV11* t) {
   t->close_send = from->close_send;
   t->close_recv = from->close_recv;
   t->close_listen = from->close_listen;
-  t->make_vdevice = from->make_vdevice;
+  if constexpr (requires { from->make_vdevice; }) t->make_vdevice = from->make_vdevice;
   t->finalize = v10_finalize;
 }
 
-Loaded load_plugin(const std::string& path) {
+// A v9 or v8 table seen through the v11 layout.
+template <typename Table, Table** table>
+void adapt_old(NetV11* t, decltype(NetV11::get_properties) props, decltype(NetV11::isend) isend,
+               decltype(NetV11::irecv) irecv) {
+  copy_common(*table, t);
+  t->init = old_init<Table, table>;
+  t->listen = old_listen<Table, table>;
+  t->connect = old_connect<Table, table>;
+  t->get_properties = props;
+  t->isend = isend;
+  t->irecv = irecv;
+}
+
+// abi: the table to use (11, 10, 9 or 8), 0 for the newest the library exports.
+Loaded load_plugin(const std::string& path, int abi) {
   Loaded l;
   l.handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // as NCCL opens it
   if (!l.handle) die(("dlopen: " + std::string(dlerror())).c_str());
   NetV11& t = l.table;
-  if (auto* v11 = static_cast<NetV11*>(dlsym(l.handle, "ncclNetPlugin_v11"))) {
+  auto table = [&](int v) -> void* {
+    if (abi != 0 && abi != v) return nullptr;
+    return dlsym(l.handle, ("ncclNetPlugin_v" + std::to_string(v)).c_str());
+  };
+  if (auto* v11 = static_cast<NetV11*>(table(11))) {
     l.version = 11;
     t = *v11;
-  } else if ((g_v10 = static_cast<NetV10*>(dlsym(l.handle, "ncclNetPlugin_v10")))) {
+  } else if ((g_v10 = static_cast<NetV10*>(table(10)))) {
     l.version = 10;
     copy_common(g_v10, &t);
     t.init = v10_init;
@@ -265,17 +330,15 @@ Loaded load_plugin(const std::string& path) {
     t.connect = v10_connect;
     t.isend = g_v10->isend;
     t.irecv = g_v10->irecv;
-  } else if ((g_v9 = static_cast<NetV9*>(dlsym(l.handle, "ncclNetPlugin_v9")))) {
+  } else if ((g_v9 = static_cast<NetV9*>(table(9)))) {
     l.version = 9;
-    copy_common(g_v9, &t);
-    t.init = v9_init;
-    t.get_properties = v9_get_properties;
-    t.listen = v9_listen;
-    t.connect = v9_connect;
-    t.isend = v9_isend;
-    t.irecv = v9_irecv;
+    adapt_old<NetV9, &g_v9>(&t, v9_get_properties, v9_isend, v9_irecv);
+  } else if ((g_v8 = static_cast<NetV8*>(table(8)))) {
+    l.version = 8;
+    adapt_old<NetV8, &g_v8>(&t, v8_get_properties, v8_isend, v8_irecv);
   } else {
-    die(("no ncclNetPlugin_v11, _v10 or _v9 in " + path).c_str());
+    die((abi ? "no ncclNetPlugin_v" + std::to_string(abi) + " in " + path
+             : "no ncclNetPlugin_v11, _v10, _v9 or _v8 in " + path).c_str());
   }
   return l;
 }
@@ -323,30 +386,65 @@ struct Side {
     return off + size <= rlen ? off : 0;
   }
 
+  // The window of one bandwidth row: request i of the row lives in slot i % window (--pass nccl)
+  // or in any free slot (--pass all).
+  struct Window {
+    std::vector<void*> reqs;
+    int posted = 0, completed = 0;
+  };
+  // One pass of the caller's loop over the window; returns whether it made progress. With
+  // --pass nccl it makes one call, as NCCL's proxy does per connection: the next request is posted
+  // if its slot is free (and the pass ends there), or else the oldest outstanding one is tested.
+  // With --pass all every free slot is posted and every outstanding request tested.
+  // post(slot) returns the new request (nullptr: the plugin is not ready); done(req, slot) tests.
+  template <typename Post, typename Done>
+  bool bw_pass(Window& w, int total, Post post, Done done) {
+    const int n = o.window;
+    if (o.nccl_pass) {
+      if (w.posted < total && w.posted - w.completed < n) {
+        const int i = w.posted % n;
+        w.reqs[static_cast<size_t>(i)] = post(i);
+        if (w.reqs[static_cast<size_t>(i)]) return ++w.posted, true;
+      }
+      if (w.completed < w.posted) {
+        const int i = w.completed % n;
+        void*& r = w.reqs[static_cast<size_t>(i)];
+        if (done(r, i)) return r = nullptr, ++w.completed, true;
+      }
+      return false;
+    }
+    bool progress = false;
+    for (int i = 0; i < n; ++i) {
+      void*& r = w.reqs[static_cast<size_t>(i)];
+      if (!r && w.posted < total) {
+        r = post(i);
+        if (r) ++w.posted, progress = true;
+      }
+      if (r && done(r, i)) r = nullptr, ++w.completed, progress = true;
+    }
+    return progress;
+  }
+
   // Sender side of a bandwidth row: window isends in flight, each slot re-posted when test()
   // reports it done. Returns "secs msgs thread_ns proc_ns".
   std::string send_bw(size_t size) {
     const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
     fill_words(sbuf, size, size);
-    std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
-    int posted = 0, completed = 0;
+    Window w{std::vector<void*>(static_cast<size_t>(o.window), nullptr)};
+    auto post = [&](int) {
+      void* r = nullptr;
+      check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
+      return r;
+    };
+    auto done = [&](void* r, int) {
+      int d = 0, got = 0;
+      check(t->test(r, &d, &got), "test(send)");
+      return d != 0;
+    };
     Meter m;
-    while (completed < total) {
-      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
-      bool progress = false;
-      for (int i = 0; i < o.window; ++i) {
-        void*& r = reqs[static_cast<size_t>(i)];
-        if (!r && posted < total) {
-          check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
-          if (r) ++posted, progress = true;
-        }
-        if (r) {
-          int done = 0, got = 0;
-          check(t->test(r, &done, &got), "test(send)");
-          if (done) r = nullptr, ++completed, progress = true;
-        }
-      }
-      caller.pass(progress);
+    while (w.completed < total) {
+      if (w.completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      caller.pass(bw_pass(w, total, post, done));
     }
     char out[128];
     std::snprintf(out, sizeof(out), "%.9f %d %.0f %.0f", m.secs(), total - warm, m.thread_ns(),
@@ -357,32 +455,29 @@ struct Side {
   // Receiver side: window irecvs in flight; the last message's bytes and size are checked.
   std::string recv_bw(size_t size) {
     const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
-    std::vector<void*> reqs(static_cast<size_t>(o.window), nullptr);
-    int posted = 0, completed = 0, last = 0;
+    Window w{std::vector<void*>(static_cast<size_t>(o.window), nullptr)};
+    int last = 0;
+    auto post = [&](int i) {
+      void* r = nullptr;
+      void* data[1] = {rbuf + slot(i, size)};
+      size_t sizes[1] = {size};
+      int tags[1] = {0};
+      void* mhs[1] = {rmh};
+      check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
+      return r;
+    };
+    auto done = [&](void* r, int i) {
+      int d = 0, got[1] = {0};
+      check(t->test(r, &d, got), "test(recv)");
+      if (!d) return false;
+      if (static_cast<size_t>(got[0]) != size) die("a receive reported the wrong size");
+      last = i;
+      return true;
+    };
     Meter m;
-    while (completed < total) {
-      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
-      bool progress = false;
-      for (int i = 0; i < o.window; ++i) {
-        void*& r = reqs[static_cast<size_t>(i)];
-        if (!r && posted < total) {
-          void* data[1] = {rbuf + slot(i, size)};
-          size_t sizes[1] = {size};
-          int tags[1] = {0};
-          void* mhs[1] = {rmh};
-          check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
-          if (r) ++posted, progress = true;
-        }
-        if (r) {
-          int done = 0, got[1] = {0};
-          check(t->test(r, &done, got), "test(recv)");
-          if (done) {
-            if (static_cast<size_t>(got[0]) != size) die("a receive reported the wrong size");
-            r = nullptr, ++completed, progress = true, last = i;
-          }
-        }
-      }
-      caller.pass(progress);
+    while (w.completed < total) {
+      if (w.completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      caller.pass(bw_pass(w, total, post, done));
     }
     if (!check_words(rbuf + slot(last, size), size, size)) die("received data does not verify");
     char out[128];
@@ -447,11 +542,12 @@ struct Side {
   }
 };
 
-// A side process: loads the plugin, listens, trades handles through the parent, connects and
-// accepts (interleaved, never blocking), then runs every row for one caller style and reports.
+// A side process: loads the plugin, reads every device's properties (as NCCL does at init),
+// listens, trades handles through the parent, connects and accepts (interleaved, never blocking),
+// then runs every row for one caller style and reports.
 int run_side(bool a, const std::string& path, const std::string& caller, const Options& o,
              const Channel& ch) {
-  Loaded l = load_plugin(path);
+  Loaded l = load_plugin(path, o.abi);
   Side s{o, Caller{caller == "yield"}, Clock::now() + std::chrono::seconds(o.timeout_s)};
   s.t = &l.table;
   CommConfig config{kTrafficClassUndef};
@@ -459,13 +555,18 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   int ndev = 0;
   s.check(s.t->devices(&ndev), "devices");
   if (ndev < 1) die("the plugin has no device");
+  PropertiesV11 props{};
+  for (int d = ndev - 1; d >= 0; --d) s.check(s.t->get_properties(d, &props), "getProperties");
   int dev = 0;
   if (o.nics > 1) {
     if (!s.t->make_vdevice) die("the plugin has no makeVDevice (--nics > 1)");
     VDeviceProps vp{};
     vp.ndevs = o.nics;
     s.check(s.t->make_vdevice(&dev, &vp), "makeVDevice");
+    s.check(s.t->get_properties(dev, &props), "getProperties(vdevice)");
   }
+  if (!(props.ptr_support & kPtrHost)) die("the plugin's device does not take host memory");
+  std::string dev_name = props.name ? props.name : "?";
   Handle mine, theirs;
   s.check(s.t->listen(s.ctx, dev, mine.bytes, &s.listen), "listen");
   std::vector<uint8_t> got;
@@ -496,7 +597,8 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
 
   std::string name = s.t->name ? s.t->name : "?";
   std::replace(name.begin(), name.end(), ' ', '_');  // one word in the report
-  std::string report = "name " + name + " v" + std::to_string(l.version) + "\n";
+  std::replace(dev_name.begin(), dev_name.end(), ' ', '_');
+  std::string report = "name " + name + " v" + std::to_string(l.version) + " " + dev_name + "\n";
   const auto row_time = std::chrono::seconds(o.timeout_s);
   for (size_t size : o.sizes) {
     s.deadline = Clock::now() + row_time;
@@ -530,12 +632,38 @@ struct Row {
   double send_cpu_ns = 0;  // sender's proxy thread CPU per message (in the best run)
   double send_proc_ns = 0; // sender's whole process CPU per message
   double recv_cpu_ns = 0;  // receiver's proxy thread CPU per message
+  double worst_gbps = 0;   // the slowest run's bandwidth (the spread: best - worst)
+};
+// Keeps the best run's row and the slowest run's bandwidth.
+void keep_best(Row* kept, const Row& run, bool first) {
+  const double worst = first ? run.gbps : std::min(kept->worst_gbps, run.gbps);
+  if (first || run.gbps > kept->gbps) *kept = run;
+  kept->worst_gbps = worst;
+}
+// Spread over the runs in percent of the best: (best - worst) / best.
+double spread_pct(double best, double worst) { return best > 0 ? (best - worst) / best * 100 : 0; }
+
+struct Latency {
+  double us = 0;        // best run
+  double worst_us = 0;  // slowest run
 };
 struct PluginResult {
   std::string name;
   std::map<size_t, Row> bw;
-  std::map<size_t, double> lat_us;
+  std::map<size_t, Latency> lat;
 };
+
+std::string load_average() {
+  char buf[128] = {};
+  FILE* f = std::fopen("/proc/loadavg", "r");
+  if (!f) return "?";
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::string s(buf, n);
+  for (int field = 0, i = 0; i < static_cast<int>(s.size()); ++i)  // the three averages
+    if (s[static_cast<size_t>(i)] == ' ' && ++field == 3) return s.substr(0, static_cast<size_t>(i));
+  return s;
+}
 
 void parse_report(const std::string& text, std::vector<std::vector<std::string>>* lines) {
   std::stringstream ss(text);
@@ -572,20 +700,21 @@ void run_plugin(const Options& o, const std::string& path, const std::string& ca
   for (auto& w : lb)
     if (w[0] == "bwr" && w.size() == 4) recv_cpu[std::stoull(w[1])] = std::stod(w[2]);
   for (auto& w : la) {
-    if (w[0] == "name" && w.size() >= 3) res->name = w[1] + " (" + w[2] + ")";
+    if (w[0] == "name" && w.size() >= 4) res->name = w[1] + " (" + w[2] + ", " + w[3] + ")";
     if (w[0] == "bw" && w.size() == 6) {
       const size_t size = std::stoull(w[1]);
       const double secs = std::stod(w[2]), msgs = std::stod(w[3]);
       const double gbps = static_cast<double>(size) * msgs / secs / 1e9;
-      Row& row = res->bw[size];
-      if (gbps > row.gbps)
-        row = Row{gbps, std::stod(w[4]) / msgs, std::stod(w[5]) / msgs, recv_cpu[size] / msgs};
+      const bool first = res->bw.count(size) == 0;
+      const Row run{gbps, std::stod(w[4]) / msgs, std::stod(w[5]) / msgs, recv_cpu[size] / msgs, gbps};
+      keep_best(&res->bw[size], run, first);
     }
     if (w[0] == "lat" && w.size() == 3) {
       const size_t size = std::stoull(w[1]);
       const double us = std::stod(w[2]);
-      auto it = res->lat_us.find(size);
-      if (it == res->lat_us.end() || us < it->second) res->lat_us[size] = us;
+      auto it = res->lat.find(size);
+      if (it == res->lat.end()) res->lat[size] = Latency{us, us};
+      else it->second = Latency{std::min(it->second.us, us), std::max(it->second.worst_us, us)};
     }
   }
 }
@@ -669,7 +798,8 @@ Row engine_sender(const Options& o, const Caller& caller) {
     caller.pass(progress);
   }
   const double secs = m.secs(), msgs = static_cast<double>(total) - warm;
-  Row row{size * msgs / secs / 1e9, m.thread_ns() / msgs, m.proc_ns() / msgs, 0};
+  const double gbps = static_cast<double>(size) * msgs / secs / 1e9;
+  Row row{gbps, m.thread_ns() / msgs, m.proc_ns() / msgs, 0, gbps};
   (void)eng.deregister(mr.value());
   e->reset();  // close our side first: the peer's exit is then no news to anyone
   std::free(src);
@@ -688,51 +818,60 @@ std::string fmt_size(size_t s) {
 
 void print_tables(const Options& o, const std::string& caller, const PluginResult& p, const PluginResult* c,
                   const Row* engine) {
-  std::printf("\n# caller %s: bandwidth, %d in flight (sender isend/test, receiver irecv/test); "
-              "cpu = the proxy thread's CPU per message, proc = the sending process's\n",
-              caller.c_str(), o.window);
-  std::printf("# %-28s", p.name.c_str());
-  if (c) std::printf(" | %-41s", c->name.c_str());
-  std::printf("\n#%11s %7s %9s %8s %8s %8s %8s", "size(B)", "count", "time(us)", "algbw", "cpu(ns)",
-              "recv(ns)", "proc(ns)");
-  if (c) std::printf(" | %9s %8s %8s %8s %8s | %6s", "time(us)", "algbw", "cpu(ns)", "recv(ns)",
+  std::printf("\n# caller %s, pass %s: bandwidth, %d in flight (sender isend/test, receiver irecv/test); "
+              "sprd = (best - worst) / best over the runs; cpu = the proxy thread's CPU per message, "
+              "proc = the sending process's\n",
+              caller.c_str(), o.nccl_pass ? "nccl" : "all", o.window);
+  std::printf("# %-37s", p.name.c_str());
+  if (c) std::printf(" | %-50s", c->name.c_str());
+  std::printf("\n#%11s %7s %9s %8s %6s %8s %8s %8s", "size(B)", "count", "time(us)", "algbw", "sprd%",
+              "cpu(ns)", "recv(ns)", "proc(ns)");
+  if (c) std::printf(" | %9s %8s %6s %8s %8s %8s | %6s", "time(us)", "algbw", "sprd%", "cpu(ns)", "recv(ns)",
                      "proc(ns)", "ratio");
   std::printf("\n");
+  auto cols = [](size_t size, const Row& r) {
+    std::printf("%9.2f %8.3f %6.1f %8.0f %8.0f %8.0f", static_cast<double>(size) / (r.gbps * 1e3), r.gbps,
+                spread_pct(r.gbps, r.worst_gbps), r.send_cpu_ns, r.recv_cpu_ns, r.send_proc_ns);
+  };
   for (size_t size : o.sizes) {
     auto it = p.bw.find(size);
     if (it == p.bw.end()) continue;
-    const Row& r = it->second;
-    std::printf("%12s %7d %9.2f %8.3f %8.0f %8.0f %8.0f", fmt_size(size).c_str(), bw_iters(o, size),
-                static_cast<double>(size) / (r.gbps * 1e3), r.gbps, r.send_cpu_ns, r.recv_cpu_ns,
-                r.send_proc_ns);
+    std::printf("%12s %7d ", fmt_size(size).c_str(), bw_iters(o, size));
+    cols(size, it->second);
     if (c) {
       auto ct = c->bw.find(size);
       if (ct != c->bw.end()) {
-        const Row& q = ct->second;
-        std::printf(" | %9.2f %8.3f %8.0f %8.0f %8.0f | %6.3f", static_cast<double>(size) / (q.gbps * 1e3),
-                    q.gbps, q.send_cpu_ns, q.recv_cpu_ns, q.send_proc_ns, r.gbps / q.gbps);
+        std::printf(" | ");
+        cols(size, ct->second);
+        std::printf(" | %6.3f", it->second.gbps / ct->second.gbps);
       }
     }
     std::printf("\n");
   }
   if (engine) {
     auto it = p.bw.find(o.engine_size);
-    std::printf("# engine write_imm %zu B x %d: %.3f GB/s, cpu %.0f ns/msg, proc %.0f ns/msg",
-                o.engine_size, o.window, engine->gbps, engine->send_cpu_ns, engine->send_proc_ns);
+    std::printf("# engine write_imm %zu B x %d: %.3f GB/s (sprd %.1f%%), cpu %.0f ns/msg, proc %.0f ns/msg",
+                o.engine_size, o.window, engine->gbps, spread_pct(engine->gbps, engine->worst_gbps),
+                engine->send_cpu_ns, engine->send_proc_ns);
     if (it != p.bw.end()) std::printf("; %s / engine = %.3f", p.name.c_str(), it->second.gbps / engine->gbps);
     std::printf("\n");
   }
-  std::printf("# caller %s: ping-pong latency (half a round trip)\n#%11s %7s %9s", caller.c_str(),
-              "size(B)", "count", "lat(us)");
-  if (c) std::printf(" %9s %6s", "cmp(us)", "ratio");
+  std::printf("# caller %s: ping-pong latency (half a round trip; sprd = (worst - best) / best)\n",
+              caller.c_str());
+  std::printf("#%11s %7s %9s %6s", "size(B)", "count", "lat(us)", "sprd%");
+  if (c) std::printf(" | %9s %6s | %6s", "cmp(us)", "sprd%", "ratio");
   std::printf("\n");
+  auto lat_spread = [](const Latency& l) { return l.us > 0 ? (l.worst_us - l.us) / l.us * 100 : 0; };
   for (size_t size : o.lat_sizes) {
-    auto it = p.lat_us.find(size);
-    if (it == p.lat_us.end()) continue;
-    std::printf("%12s %7d %9.2f", fmt_size(size).c_str(), o.lat_iters, it->second);
+    auto it = p.lat.find(size);
+    if (it == p.lat.end()) continue;
+    std::printf("%12s %7d %9.2f %6.1f", fmt_size(size).c_str(), o.lat_iters, it->second.us,
+                lat_spread(it->second));
     if (c) {
-      auto ct = c->lat_us.find(size);
-      if (ct != c->lat_us.end()) std::printf(" %9.2f %6.3f", ct->second, it->second / ct->second);
+      auto ct = c->lat.find(size);
+      if (ct != c->lat.end())
+        std::printf(" | %9.2f %6.1f | %6.3f", ct->second.us, lat_spread(ct->second),
+                    it->second.us / ct->second.us);
     }
     std::printf("\n");
   }
@@ -742,15 +881,15 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
 void print_json(const std::string& caller, const PluginResult& r, const char* role, bool* first) {
   for (auto& [size, row] : r.bw) {
     std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"bw\",\"size\":%zu,"
-                "\"GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f}",
-                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, row.gbps,
+                "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, row.gbps, row.worst_gbps,
                 row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns);
     *first = false;
   }
-  for (auto& [size, us] : r.lat_us) {
+  for (auto& [size, l] : r.lat) {
     std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"lat\",\"size\":%zu,"
-                "\"us\":%.3f}",
-                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, us);
+                "\"us\":%.3f,\"worst_us\":%.3f}",
+                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, l.us, l.worst_us);
     *first = false;
   }
 }
@@ -775,10 +914,11 @@ int main(int argc, char** argv) {
   const char* provider = getenv("PONTE_FABRIC_PROVIDER");
   if (!o.json)
     std::printf("# plugin-bench: %s%s%s; PONTE_BACKEND %s, PONTE_FABRIC_PROVIDER %s; window %d; "
-                "best of %d%s runs\n",
+                "pass %s; best of %d%s runs; load average %s\n",
                 o.plugin.c_str(), o.compare.empty() ? "" : " vs ", o.compare.c_str(),
-                backend ? backend : "auto", provider ? provider : "-", o.window, o.repeat,
-                o.compare.empty() ? "" : " alternating");
+                backend ? backend : "auto", provider ? provider : "-", o.window,
+                o.nccl_pass ? "nccl" : "all", o.repeat, o.compare.empty() ? "" : " alternating",
+                load_average().c_str());
   bool first = true;
   if (o.json) std::printf("{\"results\":[");
   for (const std::string& caller : o.callers) {
@@ -787,25 +927,23 @@ int main(int argc, char** argv) {
     for (int r = 0; r < o.repeat; ++r) {
       run_plugin(o, o.plugin, caller, &p);
       if (!o.compare.empty()) run_plugin(o, o.compare, caller, &c);
-      if (o.engine) {
-        Row e = engine_sender(o, Caller{caller == "yield"});
-        if (e.gbps > engine.gbps) engine = e;
-      }
+      if (o.engine) keep_best(&engine, engine_sender(o, Caller{caller == "yield"}), r == 0);
     }
     if (o.json) {
       print_json(caller, p, "plugin", &first);
       if (!o.compare.empty()) print_json(caller, c, "compare", &first);
       if (o.engine) {
         std::printf("%s{\"caller\":\"%s\",\"plugin\":\"engine\",\"test\":\"bw\",\"size\":%zu,"
-                    "\"GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f}",
-                    first ? "" : ",", caller.c_str(), o.engine_size, engine.gbps,
+                    "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                    first ? "" : ",", caller.c_str(), o.engine_size, engine.gbps, engine.worst_gbps,
                     engine.send_cpu_ns, engine.send_proc_ns);
         first = false;
       }
     } else {
       print_tables(o, caller, p, o.compare.empty() ? nullptr : &c, o.engine ? &engine : nullptr);
+      std::printf("# load average after caller %s: %s\n", caller.c_str(), load_average().c_str());
     }
   }
-  if (o.json) std::printf("]}\n");
+  if (o.json) std::printf("],\"load_average\":\"%s\"}\n", load_average().c_str());
   return 0;
 }
