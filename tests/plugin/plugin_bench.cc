@@ -856,6 +856,10 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     if (it != p.bw.end()) std::printf("; %s / engine = %.3f", p.name.c_str(), it->second.gbps / engine->gbps);
     std::printf("\n");
   }
+  if (o.lat_sizes.empty()) {  // --lat-sizes "": bandwidth only
+    std::fflush(stdout);
+    return;
+  }
   std::printf("# caller %s: ping-pong latency (half a round trip; sprd = (worst - best) / best)\n",
               caller.c_str());
   std::printf("#%11s %7s %9s %6s", "size(B)", "count", "lat(us)", "sprd%");
