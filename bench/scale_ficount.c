@@ -22,13 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { kFabric, kDomain, kEndpoint, kAv, kAvEntry, kCq, kMr, kKinds };
+enum { kFabric, kDomain, kEndpoint, kAv, kAvEntry, kCq, kMr, kMrBytes, kKinds };
 
 static atomic_long g_live[kKinds];
 static atomic_long g_made[kKinds];  /* ever created (or inserted), for rates */
 
 /* The counts: live[kind] and made[kind] for kind 0..n-1 in the order fabric, domain, endpoint, av,
- * av entry, cq, mr. Returns the number of kinds. */
+ * av entry, cq, mr, registered bytes. Returns the number of kinds. */
 __attribute__((visibility("default"))) int ponte_ficount_read(long* live, long* made, int n) {
   for (int i = 0; i < n && i < kKinds; i++) {
     if (live) live[i] = atomic_load(&g_live[i]);
@@ -82,6 +82,7 @@ struct Wrap {
   const struct fi_ops* orig_fid;  /* the provider's */
   int kind;
   long av_entries;                /* kAv: entries inserted through it (leave with it) */
+  long bytes;                     /* kMr: the bytes it registers */
   union {
     struct fi_ops_fabric fabric;
     struct fi_ops_domain domain;
@@ -113,6 +114,7 @@ static int counting_close(struct fid* fid) {
   }
   atomic_fetch_sub(&g_live[w->kind], 1);
   if (w->kind == kAv) atomic_fetch_sub(&g_live[kAvEntry], w->av_entries);
+  if (w->kind == kMr) atomic_fetch_sub(&g_live[kMrBytes], w->bytes);
   free(w);
   return 0;
 }
@@ -191,21 +193,29 @@ static int dom_endpoint(struct fid_domain* d, struct fi_info* info, struct fid_e
 }
 
 static const struct fi_ops_mr* orig_mr(struct fid* domain_fid) { return wrap_of(domain_fid)->orig_mr; }
+static void mr_made(struct fid_mr* mr, const struct iovec* iov, size_t count) {
+  struct Wrap* w = wrap_fid(&mr->fid, kMr);
+  long bytes = 0;
+  for (size_t i = 0; i < count; i++) bytes += (long)iov[i].iov_len;
+  if (w) w->bytes = bytes;
+  count_new(kMrBytes, bytes);
+}
 static int mr_reg(struct fid* fid, const void* buf, size_t len, uint64_t access, uint64_t offset,
                   uint64_t key, uint64_t flags, struct fid_mr** mr, void* ctx) {
   int rc = orig_mr(fid)->reg(fid, buf, len, access, offset, key, flags, mr, ctx);
-  if (rc == 0) wrap_fid(&(*mr)->fid, kMr);
+  struct iovec iov = {(void*)buf, len};
+  if (rc == 0) mr_made(*mr, &iov, 1);
   return rc;
 }
 static int mr_regv(struct fid* fid, const struct iovec* iov, size_t count, uint64_t access,
                    uint64_t offset, uint64_t key, uint64_t flags, struct fid_mr** mr, void* ctx) {
   int rc = orig_mr(fid)->regv(fid, iov, count, access, offset, key, flags, mr, ctx);
-  if (rc == 0) wrap_fid(&(*mr)->fid, kMr);
+  if (rc == 0) mr_made(*mr, iov, count);
   return rc;
 }
 static int mr_regattr(struct fid* fid, const struct fi_mr_attr* attr, uint64_t flags, struct fid_mr** mr) {
   int rc = orig_mr(fid)->regattr(fid, attr, flags, mr);
-  if (rc == 0) wrap_fid(&(*mr)->fid, kMr);
+  if (rc == 0) mr_made(*mr, attr->mr_iov, attr->iov_count);
   return rc;
 }
 

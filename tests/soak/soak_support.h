@@ -4,6 +4,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <errno.h>
 #include <dlfcn.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -30,7 +31,7 @@ using Channel = ponte::test::Channel;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
-  std::fprintf(stderr, "ponte-soak[%d]: %s\n", static_cast<int>(getpid()), buf);
+  std::fprintf(stderr, "%s[%d]: %s\n", program_invocation_short_name, static_cast<int>(getpid()), buf);
   std::fflush(stderr);
   std::_Exit(1);
 }
@@ -163,12 +164,13 @@ struct StreamResult {
 
 // ---- resource snapshots -----------------------------------------------------------------------
 
-constexpr int kFiKinds = 7;
+constexpr int kFiKinds = 8;
 inline const char* const kFiNames[kFiKinds] = {"fi_fabric", "fi_domain", "fi_endpoint", "fi_av",
-                                               "fi_av_entry", "fi_cq", "fi_mr"};
+                                               "fi_av_entry", "fi_cq", "fi_mr", "fi_mr_bytes"};
 
 struct Snapshot {
   long fds = 0, threads = 0, rss_kib = 0, heap_kib = 0;
+  long shm_maps = 0, shm_rss_kib = 0;  // mappings of /dev/shm files (libfabric shm's peer regions)
   bool fi_known = false;
   long fi[kFiKinds] = {};
 };
@@ -192,6 +194,27 @@ inline FiCountRead ficount_reader() {
   return h ? reinterpret_cast<FiCountRead>(dlsym(h, "ponte_ficount_read")) : nullptr;
 }
 
+// Mappings of /dev/shm files (libfabric shm maps each peer's region) and their resident KiB.
+inline void count_shm_maps(long* maps, long* rss_kib) {
+  *maps = *rss_kib = 0;
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return;
+  char line[512];
+  bool in_shm = false;
+  while (std::fgets(line, sizeof(line), f)) {
+    const char* sp = std::strchr(line, ' ');
+    const bool header = sp && sp > line && sp[-1] != ':' && std::memchr(line, '-', static_cast<size_t>(sp - line));
+    long kib = 0;
+    if (header) {
+      in_shm = std::strstr(line, " /dev/shm/") != nullptr;
+      if (in_shm) ++*maps;
+    } else if (in_shm && std::sscanf(line, "Rss: %ld kB", &kib) == 1) {
+      *rss_kib += kib;
+    }
+  }
+  std::fclose(f);
+}
+
 inline Snapshot snapshot() {
   malloc_trim(0);  // freed heap goes back first: RSS then shows what is held, not what is cached
   Snapshot s;
@@ -202,6 +225,7 @@ inline Snapshot snapshot() {
     if (std::fscanf(f, "%ld %ld", &size, &resident) == 2) s.rss_kib = resident * (sysconf(_SC_PAGESIZE) / 1024);
     std::fclose(f);
   }
+  count_shm_maps(&s.shm_maps, &s.shm_rss_kib);
   struct mallinfo2 mi = mallinfo2();
   s.heap_kib = static_cast<long>((mi.uordblks + mi.hblkhd) / 1024);
   if (FiCountRead rd = ficount_reader()) {
@@ -213,8 +237,8 @@ inline Snapshot snapshot() {
 
 inline std::string encode_snapshot(const Snapshot& s) {
   char b[256];
-  int n = std::snprintf(b, sizeof(b), "%ld %ld %ld %ld %d", s.fds, s.threads, s.rss_kib, s.heap_kib,
-                        s.fi_known ? 1 : 0);
+  int n = std::snprintf(b, sizeof(b), "%ld %ld %ld %ld %ld %ld %d", s.fds, s.threads, s.rss_kib, s.heap_kib,
+                        s.shm_maps, s.shm_rss_kib, s.fi_known ? 1 : 0);
   std::string out(b, static_cast<size_t>(n));
   for (long v : s.fi) out += " " + std::to_string(v);
   return out;
@@ -224,7 +248,8 @@ inline Snapshot decode_snapshot(const std::string& t) {
   int known = 0;
   const char* p = t.c_str();
   int used = 0;
-  if (std::sscanf(p, "%ld %ld %ld %ld %d%n", &s.fds, &s.threads, &s.rss_kib, &s.heap_kib, &known, &used) < 5)
+  if (std::sscanf(p, "%ld %ld %ld %ld %ld %ld %d%n", &s.fds, &s.threads, &s.rss_kib, &s.heap_kib, &s.shm_maps,
+                  &s.shm_rss_kib, &known, &used) < 7)
     return s;
   s.fi_known = known != 0;
   p += used;
@@ -233,6 +258,31 @@ inline Snapshot decode_snapshot(const std::string& t) {
     p += used;
   }
   return s;
+}
+
+// ---- the process's setup -------------------------------------------------------------------------
+
+// Defaults for this host: processes on loopback over `provider`, libfabric's objects counted through
+// libponte-ficount when the build made it (PONTE_FICOUNT_SO). Set before the engine reads its knobs;
+// what the environment already says wins, except the provider.
+inline void set_loopback_environment(const std::string& provider, const char* timeout_ms) {
+  setenv("PONTE_BACKEND", "fabric", 0);
+  setenv("PONTE_FABRIC_PROVIDER", provider.c_str(), 1);
+  setenv("FI_TCP_IFACE", "lo", 0);
+  setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
+  setenv("PONTE_TIMEOUT_MS", timeout_ms, 0);
+#ifdef PONTE_FICOUNT_SO
+  if (access(PONTE_FICOUNT_SO, R_OK) == 0) setenv("PONTE_FABRIC_LIB", PONTE_FICOUNT_SO, 0);
+#endif
+}
+
+// glibc's malloc raises its mmap and trim thresholds after a large block is freed, so a thread
+// arena's freed top (tens of MiB after an engine came and went) stays resident: bounded, but it
+// would hide a real leak in an RSS measure or fail one at random. Fixed thresholds return freed
+// memory to the kernel; mallinfo2's count of bytes in use does not depend on this.
+inline void fix_malloc_thresholds() {
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);
 }
 
 // ---- lock step between the two processes --------------------------------------------------------
