@@ -152,6 +152,10 @@ bool Engine::peer_ready(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
   return g && g->peer_ready(peer);
 }
+uint32_t Engine::peer_epoch(int group, PeerId peer) const {
+  NicGroup* g = impl_->group(group);
+  return g ? g->peer_epoch(peer) : 0;
+}
 bool Engine::peer_dead(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
   return g && g->peer_dead(peer);

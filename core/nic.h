@@ -67,6 +67,10 @@ struct Completion {
   uint32_t len = 0;
   CompletionKind kind = CompletionKind::kLocal;
   Code error = Code::kOk;  // not kOk: the operation failed (ctx still names it)
+  // With an error: it concerns this operation alone and the connection to the peer is intact (a
+  // connectionless endpoint refusing one write: a bad key, a bad length). False: the connection
+  // broke with it (an RC QP in error, a provider's lost connection) and must be rebuilt.
+  bool op_only = false;
 };
 
 struct WriteWr {

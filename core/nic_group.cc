@@ -28,6 +28,7 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
       slots_(cfg.max_inflight),
       peers_(kMaxPeers),
       imm_(kImmTableSize, cfg.max_inflight, dense_imm_values) {
+  fault_drops_left_ = cfg.fault_drop_recvs;
   free_slots_.reserve(slots_.size());
   for (uint32_t i = static_cast<uint32_t>(slots_.size()); i-- > 0;) free_slots_.push_back(i);
 }

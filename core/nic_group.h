@@ -82,6 +82,7 @@ class NicGroup {
   // Peers.
   Result<PeerId> new_outbound_peer(const GroupAddress& addr);
   bool peer_ready(PeerId p) const;
+  uint32_t peer_epoch(PeerId p) const;
   bool peer_dead(PeerId p) const;    // nothing more will come from it (after any drain)
   bool peer_closed(PeerId p) const;  // nothing may be sent to it
   int peer_nics(PeerId p) const;
@@ -117,6 +118,7 @@ class NicGroup {
     std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
     std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
+    std::atomic<uint32_t> rebuilds{0};  // connection rebuilds so far (Engine::peer_epoch)
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen
     ControlSocket sock[2];
@@ -252,6 +254,7 @@ class NicGroup {
   std::chrono::steady_clock::time_point last_activity_;
   std::chrono::steady_clock::time_point last_timeout_scan_;
   uint64_t dropped_imms_ = 0;
+  uint32_t fault_drops_left_ = 0;  // PONTE_FAULT_DROP_RECVS: messages still to lose (worker only)
 };
 
 }  // namespace ponte

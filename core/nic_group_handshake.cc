@@ -39,6 +39,9 @@ bool NicGroup::peer_exists(PeerId p) const {
 bool NicGroup::peer_ready(PeerId p) const {
   return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kReady;
 }
+uint32_t NicGroup::peer_epoch(PeerId p) const {
+  return p < kMaxPeers ? peers_[p].rebuilds.load(std::memory_order_acquire) : 0;
+}
 bool NicGroup::peer_dead(PeerId p) const {
   return p < kMaxPeers && peers_[p].state.load(std::memory_order_acquire) == kDead &&
          !peers_[p].draining.load(std::memory_order_acquire);
@@ -162,6 +165,7 @@ Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
     PONTE_RETURN_IF_ERROR(attach_backend(id));
     p.backend_connected = false;
     if (p.state.load(std::memory_order_relaxed) == kReady) p.state.store(kConnecting, std::memory_order_release);
+    p.rebuilds.fetch_add(1, std::memory_order_release);  // after the state: see Engine::peer_epoch
     p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
     PONTE_LOG_INFO("group %d: peer %u rebuilds its connection (round %u)", index_, id, epoch);
     PONTE_RETURN_IF_ERROR(send_hello(id, which));
@@ -194,6 +198,7 @@ void NicGroup::start_reconnect(PeerId id, const char* why) {
   if (which < 0) return peer_died(id, Code::kPeerDead, "no control connection left");
   PONTE_LOG_WARN("group %d: peer %u: %s; rebuilding the connection", index_, id, why);
   p.state.store(kConnecting, std::memory_order_release);
+  p.rebuilds.fetch_add(1, std::memory_order_release);  // after the state: see Engine::peer_epoch
   p.epoch = std::max(p.epoch, p.remote_epoch) + 1;  // the next round both ends will share
   reset_backend_peer(id);
   p.backend_connected = false;

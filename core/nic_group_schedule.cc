@@ -283,7 +283,12 @@ void NicGroup::on_completion(int nic, const Completion& c) {
       uint32_t b = static_cast<uint32_t>(c.ctx);
       if (b >= cfg_.recv_buf_count) return;
       uint8_t* buf = recv_bufs_[nic].get() + static_cast<size_t>(b) * cfg_.recv_buf_size;
-      if (c.error == Code::kOk && recv_fn_) recv_fn_(recv_arg_, c.imm, std::span<const uint8_t>(buf, c.len));
+      if (fault_drops_left_ > 0 && c.error == Code::kOk) [[unlikely]] {
+        fault_drops_left_--;  // injected: as if lost on the wire
+        PONTE_LOG_WARN("group %d: dropped a message from peer %u (PONTE_FAULT_DROP_RECVS)", index_, c.imm);
+      } else if (c.error == Code::kOk && recv_fn_) {
+        recv_fn_(recv_arg_, c.imm, std::span<const uint8_t>(buf, c.len));
+      }
       if (stop_.load(std::memory_order_relaxed)) return;
       Status st = nics_[nic]->post_recv(buf, cfg_.recv_buf_size, recv_mrs_[nic].nic_mrs[nic].desc, b);
       if (!st.ok()) PONTE_LOG_WARN("group %d: reposting a receive: %s", index_, st.message());
@@ -297,11 +302,14 @@ void NicGroup::on_completion(int nic, const Completion& c) {
       if (!s.used || s.gen != gen) return;  // a shard of an op that already failed
       s.outstanding--;
       if (c.error != Code::kOk) {
-        // A transport error breaks the connection on connection-oriented backends (an RC QP goes to
-        // error): rebuild it through a new handshake round; the failed op ends with the error.
+        // The failed op ends with the error. When the connection broke with it (an RC QP in
+        // error, a provider's lost connection), it is rebuilt through a new handshake round; an
+        // error of one operation alone (libfabric refusing one write) leaves the connection and
+        // every other operation on it alone.
         PeerId peer = (s.op.type == Op::kScatter || s.op.type == Op::kBarrier) ? kAnyPeer : s.op.peer;
-        fail_slot(i, c.error, "the NIC reported a failed completion");
-        if (c.error == Code::kTransport && peer != kAnyPeer && peer < kMaxPeers) start_reconnect(peer, "a transfer failed");
+        fail_slot(i, c.error, c.op_only ? "the NIC refused the operation" : "the NIC reported a failed completion");
+        if (c.error == Code::kTransport && !c.op_only && peer != kAnyPeer && peer < kMaxPeers)
+          start_reconnect(peer, "a transfer failed");
         return;
       }
       if (s.outstanding == 0 && s.next_shard == s.shards) finish(i);

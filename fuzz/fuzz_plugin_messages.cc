@@ -1,4 +1,4 @@
-// Fuzzes the plugin's connection messages (CONNECT, ACCEPT, REJECT, received through engine.send
+// Fuzzes the plugin's connection messages (CONNECT, ACCEPT, REJECT, NOTICE, received through engine.send
 // from any peer): an accepted message is of this version and kind, and re-encodes to exactly its
 // bytes; messages built from the input round-trip unchanged.
 #include <fuzzer/FuzzedDataProvider.h>
@@ -50,6 +50,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(kind.ok() && *kind == MsgKind::kReject);
     FUZZ_CHECK(same_bytes(out, encode_reject(*m, out), data, size));
   }
+  if (auto m = decode_notice(in); m.ok()) {
+    FUZZ_CHECK(kind.ok() && *kind == MsgKind::kNotice && m->token != 0);
+    FUZZ_CHECK(same_bytes(out, encode_notice(*m, out), data, size));
+  }
 
   FuzzedDataProvider fdp(data, size);
   ConnectMsg c;
@@ -78,5 +82,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   r.reason = static_cast<RejectReason>(fdp.ConsumeIntegralInRange<uint32_t>(1, 3));
   auto r2 = decode_reject(std::span<const uint8_t>(out, encode_reject(r, out)));
   FUZZ_CHECK(r2.ok() && *r2 == r);
+
+  NoticeMsg nm;
+  nm.token = fdp.ConsumeIntegralInRange<uint64_t>(1, UINT64_MAX);
+  nm.to_send = fdp.ConsumeBool();
+  nm.what = static_cast<NoticeWhat>(fdp.ConsumeIntegralInRange<uint8_t>(1, 3));
+  nm.clean = fdp.ConsumeBool();
+  nm.count = fdp.ConsumeIntegral<uint64_t>();
+  auto n2 = decode_notice(std::span<const uint8_t>(out, encode_notice(nm, out)));
+  FUZZ_CHECK(n2.ok() && *n2 == nm);
   return 0;
 }

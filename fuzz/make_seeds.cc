@@ -188,6 +188,8 @@ Seeds all_seeds() {
   r.token = 77;
   r.reason = plugin::RejectReason::kNoResources;
   s["plugin_messages/seed-reject"] = Bytes(msg, msg + plugin::encode_reject(r, msg));
+  const plugin::NoticeMsg closed{77, true, plugin::NoticeWhat::kClosed, true, 33};
+  s["plugin_messages/seed-notice-closed"] = Bytes(msg, msg + plugin::encode_notice(closed, msg));
 
   // plugin_cts: u32 expected request number, then the slot.
   const Bytes buf_region = remote_region(2, 1 << 20);

@@ -23,10 +23,65 @@ uint64_t random_u64() {
 
 void ctrl_done(void* arg, const Status& st) {
   auto* s = static_cast<CtrlSlot*>(arg);
-  if (!st.ok()) PONTE_NET_INFO("control message on device %d failed: %s", s->dev->index, st.message());
+  const uint64_t token = s->connect_token.exchange(0, std::memory_order_acq_rel);
+  if (!st.ok()) {
+    PONTE_NET_INFO("control message on device %d failed: %s", s->dev->index, st.message());
+    if (token != 0) {  // a CONNECT that did not get out: connect() sends it again
+      Inbox& ib = inbox();
+      std::lock_guard<std::mutex> lock(ib.mu);
+      auto it = ib.pending.find(token);
+      if (it != ib.pending.end() && it->second->state == ConnectState::kWaiting)
+        it->second->state = ConnectState::kSending;
+    }
+  }
   s->dev->ctrl_free.fetch_or(1ull << s->index, std::memory_order_acq_rel);
 }
 
+// A NOTICE for one end of a pair (engine worker). What must be sent back is sent after Inbox::mu
+// is released: an engine call may run a completion callback that takes it.
+void on_notice(Device* d, PeerId from, const NoticeMsg& m) {
+  bool reply = false;
+  bool reply_to_send = !m.to_send;
+  {
+    Inbox& ib = inbox();
+    std::lock_guard<std::mutex> lock(ib.mu);
+    auto& pairs = ib.pairs[m.to_send ? 1 : 0];
+    auto it = pairs.find(m.token);
+    if (it == pairs.end()) {
+      // This end is gone already: it writes nothing more, so a BROKEN or CLOSED is answered now.
+      if (m.what == NoticeWhat::kAck) return;
+      reply = true;
+    } else {
+      CommBase* c = it->second;
+      if (m.what == NoticeWhat::kAck) {
+        c->acked.store(true, std::memory_order_release);
+        return;
+      }
+      if (m.what == NoticeWhat::kBroken) {
+        uint8_t none = 0;
+        c->broken.compare_exchange_strong(none, static_cast<uint8_t>(Code::kTransport));
+      } else {
+        c->peer_clean = m.clean;
+        c->peer_count = m.count;
+        c->peer_closed.store(true);
+      }
+      // Posting paths raise inflight, then look at peer_stop (start_op); this sets peer_stop,
+      // then looks at inflight (both sequentially consistent): when it sees none, no write toward
+      // the other end can start any more and the ACK may go now. Else the thread that drives c
+      // sends it once its operations have ended (answer_stop).
+      c->peer_stop.store(true);
+      if (c->inflight.load() != 0 || c->ack_sent.exchange(true)) return;
+      reply = true;  // answered the way it came (c's peer field is its driving thread's)
+    }
+  }
+  if (!reply) return;
+  uint8_t buf[kNoticeBytes];
+  encode_notice(NoticeMsg{m.token, reply_to_send, NoticeWhat::kAck, false, 0}, buf);
+  Status st = send_ctrl(d, from, buf, kNoticeBytes);
+  if (!st.ok())
+    PONTE_NET_INFO("device %d: could not answer a close or failure notice (the other end waits "
+                   "PONTE_TIMEOUT_MS instead): %s", d->index, st.message());
+}
 
 // Lowest free comm id (keeps the set of immediate values small), skipping quarantined ones.
 // Counts left on its values by an earlier owner are consumed first. Call with d->mu held.
@@ -86,8 +141,39 @@ Inbox& inbox() {
   return *i;
 }
 
+void pair_comm(CommBase* c) {
+  Inbox& ib = inbox();
+  std::lock_guard<std::mutex> lock(ib.mu);
+  ib.pairs[c->is_send ? 1 : 0][c->token] = c;
+  c->paired = true;
+}
+
+void unpair_comm(CommBase* c) {
+  if (c->token == 0) return;
+  Inbox& ib = inbox();
+  std::lock_guard<std::mutex> lock(ib.mu);
+  auto& m = ib.pairs[c->is_send ? 1 : 0];
+  auto it = m.find(c->token);
+  if (it != m.end() && it->second == c) m.erase(it);
+}
+
+Status send_notice(CommBase* c, NoticeWhat what, bool clean, uint64_t count) {
+  uint8_t buf[kNoticeBytes];
+  encode_notice(NoticeMsg{c->token, !c->is_send, what, clean, count}, buf);
+  return send_ctrl(c->dev, c->peer, buf, kNoticeBytes);
+}
+
+void break_comm(CommBase* c, Code code) {
+  uint8_t none = 0;
+  c->broken.compare_exchange_strong(none, static_cast<uint8_t>(code), std::memory_order_acq_rel);
+  c->failed_any.store(true, std::memory_order_relaxed);
+  if (!c->paired || c->broken_told.exchange(true)) return;
+  Status st = send_notice(c, NoticeWhat::kBroken);
+  if (st.code() == Code::kAgain) c->broken_told.store(false);  // no control buffer: next call
+}
+
 // Sends a control message (copied into a registered buffer) to peer. kAgain: no buffer free.
-Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len) {
+Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len, uint64_t connect_token) {
   uint64_t mask = d->ctrl_free.load(std::memory_order_acquire);
   int slot = -1;
   while (mask != 0) {
@@ -99,9 +185,13 @@ Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len) {
   }
   if (slot < 0) return Status(Code::kAgain, "no control buffer free on device %d", d->index);
   std::memcpy(d->ctrl_buf.ptr + slot * kMaxMsgSize, msg, len);
+  d->ctrl_slots[slot].connect_token.store(connect_token, std::memory_order_release);
   LocalSlice src{&d->ctrl_mr, static_cast<size_t>(slot) * kMaxMsgSize, len};
   Status st = d->engine->send(d->group, peer, src, Notify{&ctrl_done, &d->ctrl_slots[slot]});
-  if (!st.ok()) d->ctrl_free.fetch_or(1ull << slot, std::memory_order_acq_rel);
+  if (!st.ok()) {
+    d->ctrl_slots[slot].connect_token.store(0, std::memory_order_release);
+    d->ctrl_free.fetch_or(1ull << slot, std::memory_order_acq_rel);
+  }
   return st;
 }
 
@@ -132,14 +222,32 @@ void on_message(void* arg, PeerId from, std::span<const uint8_t> data) {
           return;
         }
         bool queued = false;
+        Device* again_dev = nullptr;  // a repeat of an accepted CONNECT: its ACCEPT goes again
+        PeerId again_to = 0;
+        uint8_t again_msg[kMaxMsgSize];
+        size_t again_len = 0;
         {
           Inbox& ib = inbox();
           std::lock_guard<std::mutex> lock(ib.mu);
+          auto acc = ib.pairs[0].find(m->token);
           auto it = ib.listeners.find(m->listen_id);
-          if (it != ib.listeners.end() && it->second->nonce == m->listen_nonce) {
-            it->second->queue.push_back(Incoming{d, from, std::move(m).value()});
+          if (acc != ib.pairs[0].end()) {
+            auto* rc = static_cast<RecvComm*>(acc->second);
+            again_dev = rc->dev;
+            again_to = rc->peer;
+            again_len = rc->accept_len;
+            std::memcpy(again_msg, rc->accept_msg, again_len);
+            queued = true;
+          } else if (it != ib.listeners.end() && it->second->nonce == m->listen_nonce) {
+            // A repeat while the first waits in the queue (or is being accepted) is dropped.
+            if (it->second->seen.insert(m->token).second)
+              it->second->queue.push_back(Incoming{d, from, std::move(m).value()});
             queued = true;
           }
+        }
+        if (again_dev && again_len > 0) {
+          Status st = send_ctrl(again_dev, again_to, again_msg, again_len);
+          if (!st.ok()) PONTE_NET_INFO("device %d: could not send an ACCEPT again: %s", again_dev->index, st.message());
         }
         if (!queued) reject(d, from, m->token, RejectReason::kNoListener);
         return;
@@ -156,11 +264,27 @@ void on_message(void* arg, PeerId from, std::span<const uint8_t> data) {
         auto it = ib.pending.find(m->token);
         // The answer must come to the connecting device's own engine.
         if (it != ib.pending.end() && it->second->comm->dev == d &&
-            it->second->state != ConnectState::kRejected) {
-          it->second->accept = m.value();
-          it->second->accept_from = from;
-          it->second->state = ConnectState::kAccepted;
+            it->second->state != ConnectState::kRejected && it->second->state != ConnectState::kAccepted) {
+          PendingConnect* pc = it->second;
+          pc->accept = m.value();
+          pc->accept_from = from;
+          pc->state = ConnectState::kAccepted;
+          // Paired from now on: the other end may already post, break or close. (The comm's
+          // peer and remote fields are the connecting thread's to fill in, in connect().)
+          SendComm* c = pc->comm;
+          c->token = pc->token;
+          ib.pairs[1][c->token] = c;
+          c->paired = true;
         }
+        return;
+      }
+      case MsgKind::kNotice: {
+        auto m = decode_notice(data);
+        if (!m.ok()) {
+          PONTE_NET_WARN("device %d: bad NOTICE from peer %u: %s", d->index, from, m.status().message());
+          return;
+        }
+        on_notice(d, from, m.value());
         return;
       }
       case MsgKind::kReject: {
@@ -303,9 +427,19 @@ Status connect(int dev, void* handle, void** send_comm) {
     state = pc->state;
   }
   SendComm* c = pc->comm;
+  const auto now = Clock::now();
+  if (state == ConnectState::kWaiting && now >= pc->resend_at) {
+    // No answer yet: the CONNECT (or its ACCEPT) may have been lost in a connection rebuild.
+    // The listener drops repeats and answers an accepted one again.
+    std::lock_guard<std::mutex> ilock(inbox().mu);
+    if (pc->state == ConnectState::kWaiting) pc->state = ConnectState::kSending;
+    state = pc->state;
+  }
   if (state == ConnectState::kSending) {
-    Status st = send_ctrl(d, c->peer, pc->msg, pc->msg_len);
+    Status st = send_ctrl(d, c->peer, pc->msg, pc->msg_len, pc->token);
     if (st.ok()) {
+      pc->resend_at = now + std::chrono::milliseconds(pc->resend_ms);
+      pc->resend_ms = std::min(pc->resend_ms * 2, kConnectResendMaxMs);
       std::lock_guard<std::mutex> ilock(inbox().mu);
       if (pc->state == ConnectState::kSending) pc->state = ConnectState::kWaiting;
       state = pc->state;
@@ -422,6 +556,10 @@ Status accept(void* listen_comm, void** recv_comm) {
     return len.status();
   }
   l->accept_len = len.value();
+  std::memcpy(c->accept_msg, l->accept_msg, l->accept_len);
+  c->accept_len = l->accept_len;
+  c->token = in.msg.token;
+  pair_comm(c);  // a repeated CONNECT finds it and gets the ACCEPT again
   st = send_ctrl(d, c->peer, l->accept_msg, l->accept_len);
   if (st.code() == Code::kAgain) {
     l->accepting = c;

@@ -55,17 +55,42 @@ Status check_mr(Device* d, void* mhandle, const void* data, size_t len, const Mr
 }
 
 
+// Why no new request may start on c: its pair broke, or the other end closed. The other end's
+// stop is checked again after raising inflight (start_op): an ACK it was sent meanwhile promised
+// that nothing more is written there.
+Status refusal(const CommBase* c) {
+  const auto why = static_cast<Code>(c->broken.load(std::memory_order_acquire));
+  if (why != Code::kOk)
+    return Status(why, "this connection failed earlier (here or at the other end: %s); the "
+                  "communicator must be closed", code_name(why));
+  if (c->peer_closed.load())
+    return Status(Code::kPeerDead, "the other end closed this connection");
+  return Status::Ok();
+}
+
+// Counts one engine operation of r in flight on c, unless the other end closed meanwhile
+// (sequentially consistent both here and in the NOTICE handler: see on_notice).
+bool start_op(CommBase* c, Request* r) {
+  c->inflight.fetch_add(1);
+  if (c->peer_stop.load()) [[unlikely]] {
+    c->inflight.fetch_sub(1);
+    return false;
+  }
+  r->pending.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+void undo_op(CommBase* c, Request* r) {
+  r->pending.fetch_sub(1, std::memory_order_relaxed);
+  c->inflight.fetch_sub(1, std::memory_order_relaxed);
+}
+
 Status post_record(SendComm* c, SendRequest* r) {
   Device* d = c->dev;
   LocalSlice src{&c->mrs[1], static_cast<size_t>(r->index) * kRecordBytes, kRecordBytes};
-  r->pending.fetch_add(1, std::memory_order_relaxed);
-  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  if (!start_op(c, r)) return refusal(c);
   Status st = d->engine->write_imm_whole(d->group, c->peer, src, c->records, r->record_dst_offset,
                                    r->record_imm, Notify{&op_done, r});
-  if (!st.ok()) {
-    r->pending.fetch_sub(1, std::memory_order_relaxed);
-    c->inflight.fetch_sub(1, std::memory_order_relaxed);
-  }
+  if (!st.ok()) undo_op(c, r);
   return st;
 }
 
@@ -80,6 +105,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   Engine& e = *d->engine;
   if (e.peer_dead(d->group, c->peer))
     return Status(Code::kPeerDead, "isend: the receiving peer is dead or unreachable");
+  PONTE_RETURN_IF_ERROR(refusal(c));
 
   const uint32_t cts_value = imm_value(false, c->comm_id, c->head);
   if (c->head_n < 0) {  // wait for the receiver's CTS for request `head`
@@ -123,15 +149,13 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   if (len > 0) {
     const uint32_t data_imm = imm_value(false, c->remote_comm_id, c->head);
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
-    r->pending.store(1, std::memory_order_relaxed);
-    c->inflight.fetch_add(1, std::memory_order_relaxed);
+    if (!start_op(c, r)) return refusal(c);
     hold(r, m);
     Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
                             Notify{&held_done, r});
     if (!st.ok()) {
       release_held(r);
-      r->pending.store(0, std::memory_order_relaxed);
-      c->inflight.fetch_sub(1, std::memory_order_relaxed);
+      undo_op(c, r);
       if (st.code() == Code::kAgain) return Status::Ok();  // engine queue full: NCCL retries
       return st;
     }
@@ -140,7 +164,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   if (st.code() == Code::kAgain) {
     r->record_unsubmitted = true;  // test() posts it
   } else if (!st.ok()) {
-    note_error(r, st);
+    note_error(r, st);  // test() reports it (after the data write ends)
   }
   --c->free_count;
   r->in_use = true;
@@ -167,17 +191,19 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   Engine& e = *d->engine;
   if (e.peer_dead(d->group, c->peer))
     return Status(Code::kPeerDead, "irecv: the sending peer is dead or unreachable");
+  PONTE_RETURN_IF_ERROR(refusal(c));
   const uint64_t number = c->next;
   const size_t slot = number % kMaxRequests;
   RecvRequest* r = &c->reqs[slot];
   if (r->in_use) return Status::Ok();  // 32 requests in flight: NCCL retries
 
   CtsElem elems[kMaxRecvs];
+  const MrEntry* targets[kMaxRecvs] = {};
   for (int i = 0; i < n; ++i) {
     elems[i].tag = tags ? tags[i] : 0;
     elems[i].size = sizes[i];
     if (sizes[i] == 0) continue;  // nothing can land: no region needed (NCCL may pass NULLs)
-    const MrEntry* m = nullptr;
+    const MrEntry*& m = targets[i];
     PONTE_RETURN_IF_ERROR(check_mr(d, mhandles[i], data[i], sizes[i], &m));
     elems[i].offset = reinterpret_cast<uintptr_t>(data[i]) - m->start;
     elems[i].region = m->remote_bytes;
@@ -187,7 +213,8 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
       encode_cts(static_cast<uint32_t>(number), std::span<const CtsElem>(elems, n), out));
 
   r->error.store(0, std::memory_order_relaxed);
-  r->pending.store(1, std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->epoch = e.peer_epoch(d->group, c->peer);
   r->number = number;
   r->n = n;
   r->data_imm = imm_value(false, c->comm_id, number);
@@ -195,17 +222,17 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   r->records_read = false;
   r->shards = 0;
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
-  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  if (!start_op(c, r)) return refusal(c);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, kCtsSlotBytes};
   Status st = e.write_imm_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
                           imm_value(false, c->remote_comm_id, number),
                           Notify{&op_done, r});
   if (!st.ok()) {
-    r->pending.store(0, std::memory_order_relaxed);
-    c->inflight.fetch_sub(1, std::memory_order_relaxed);
+    undo_op(c, r);
     if (st.code() == Code::kAgain) return Status::Ok();
     return st;
   }
+  for (int i = 0; i < n; ++i) r->targets[i].store(targets[i], std::memory_order_release);
   r->in_use = true;
   ++c->next;
   *request = r;
@@ -285,6 +312,8 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
 
   auto finish = [&](const Status& st) {
     r->in_use = false;
+    if (r->type == ReqType::kRecv)
+      for (auto& t : static_cast<RecvRequest*>(r)->targets) t.store(nullptr, std::memory_order_release);
     if (r->type == ReqType::kSend) {
       auto* s = static_cast<SendComm*>(c);
       s->free_list[s->free_count++] = static_cast<SendRequest*>(r)->index;
@@ -292,11 +321,17 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
     return st;
   };
 
-  if (r->error.load(std::memory_order_acquire) != 0) {
+  // The pair broke (here or at the other end): this request ends too.
+  if (const uint8_t why = c->broken.load(std::memory_order_acquire); why != 0) [[unlikely]]
+    note_error(r, Status(static_cast<Code>(why), "connection failed"));
+  if (const uint8_t code = r->error.load(std::memory_order_acquire); code != 0) [[unlikely]] {
+    break_comm(c, static_cast<Code>(code));  // its slots cannot be trusted: the pair is done
     // Keep the request until the engine has ended every operation it started for it.
     if (r->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
     return finish(request_error(r));
   }
+  if (c->peer_stop.load(std::memory_order_relaxed)) [[unlikely]]
+    answer_stop(c);
 
   switch (r->type) {
     case ReqType::kSend: {
@@ -330,14 +365,27 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
     case ReqType::kRecv: {
       auto* q = static_cast<RecvRequest*>(r);
       auto* rc = static_cast<RecvComm*>(c);
-      if (!q->records_read) {
-        if (e.imm_arrived(d->group, q->record_imm) < static_cast<uint32_t>(q->n)) {
-          if (e.peer_dead(d->group, c->peer)) {
-            note_error(q, Status(Code::kPeerDead, "peer dead"));
-            if (q->pending.load(std::memory_order_acquire) == 0) return finish(request_error(q));
-          }
+      // A receive still short of immediates: whether they can still come. Ends it when not.
+      auto waiting = [&](uint32_t value, uint32_t need) {
+        if (e.peer_dead(d->group, c->peer)) {
+          note_error(q, Status(Code::kPeerDead, "peer dead"));
+        } else if (c->peer_closed.load() && (!c->peer_clean || q->number >= c->peer_count)) {
+          note_error(q, Status(Code::kPeerDead, "the sender closed before sending this"));
+        } else if (q->epoch != e.peer_epoch(d->group, c->peer) && e.peer_ready(d->group, c->peer) &&
+                   e.imm_arrived(d->group, value) < need) {
+          // Rebuilt since it was posted, connected again, and still short: nothing of the old
+          // connection can land any more, so what it lacks was lost with it (read in this order).
+          note_error(q, Status(Code::kTransport, "lost in a connection rebuild"));
+        } else {
           return Status::Ok();
         }
+        break_comm(c, static_cast<Code>(q->error.load(std::memory_order_acquire)));
+        if (q->pending.load(std::memory_order_acquire) == 0) return finish(request_error(q));
+        return Status::Ok();
+      };
+      if (!q->records_read) {
+        if (e.imm_arrived(d->group, q->record_imm) < static_cast<uint32_t>(q->n))
+          return waiting(q->record_imm, static_cast<uint32_t>(q->n));
         uint32_t shards = 0;
         const uint8_t* base =
             rc->records.ptr + (q->number % kMaxRequests) * kMaxRecvs * kRecordBytes;
@@ -354,13 +402,8 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
         q->shards = shards;
         q->records_read = true;
       }
-      if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards) {
-        if (e.peer_dead(d->group, c->peer)) {
-          note_error(q, Status(Code::kPeerDead, "peer dead"));
-          if (q->pending.load(std::memory_order_acquire) == 0) return finish(request_error(q));
-        }
-        return Status::Ok();
-      }
+      if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards)
+        return waiting(q->data_imm, q->shards);
       if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
       e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));
       if (q->shards) e.consume_imm(d->group, q->data_imm, q->shards);

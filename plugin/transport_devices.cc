@@ -143,7 +143,7 @@ void probe_locked(Plugin& p) {
     auto mr = engine->register_memory(d0->group, d0->ctrl_buf.ptr, d0->ctrl_buf.len);
     if (mr.ok()) {
       d0->ctrl_mr = mr.value();
-      for (int i = 0; i < kCtrlSlots; ++i) d0->ctrl_slots[i] = CtrlSlot{d0, i};
+      for (int i = 0; i < kCtrlSlots; ++i) { d0->ctrl_slots[i].dev = d0; d0->ctrl_slots[i].index = i; }
       engine->set_recv_handler(d0->group, &on_message, d0);
       d0->engine = std::move(engine);
       register_exit_teardown();
@@ -195,7 +195,7 @@ Status ensure_engine(Device* d) {
   auto mr = engine->register_memory(d->group, d->ctrl_buf.ptr, d->ctrl_buf.len);
   if (!mr.ok()) return mr.status();
   d->ctrl_mr = mr.value();
-  for (int i = 0; i < kCtrlSlots; ++i) d->ctrl_slots[i] = CtrlSlot{d, i};
+  for (int i = 0; i < kCtrlSlots; ++i) { d->ctrl_slots[i].dev = d; d->ctrl_slots[i].index = i; }
   engine->set_recv_handler(d->group, &on_message, d);
   d->engine = std::move(engine);
   register_exit_teardown();

@@ -16,6 +16,34 @@
 // Nothing depends on the order in which writes land: the receiver first waits for all size
 // records of a request (record immediates), reads the number of data shards from them, then waits
 // for that many data immediates.
+//
+// Handshakes are retried: connect() sends CONNECT again when its send failed and, while no answer
+// came, every kConnectResendMs (doubling to kConnectResendMaxMs); the listening side knows every
+// token it has seen, ignores a repeat while the first is queued and sends the ACCEPT again when it
+// was already accepted (an ACCEPT lost in a connection rebuild). A dead peer ends the connect.
+//
+// Comm pairs: the send comm and recv comm made by one CONNECT / ACCEPT share its token. Every
+// comm of a device pair shares one engine peer, so a rebuilt connection (Engine::peer_epoch) can
+// lose what some comms had in flight; the rules that keep every request either complete with its
+// data or ended with an error, never early and never forever, and keep a close from breaking a
+// neighbour:
+//   - A request that fails marks its comm broken: every later call on it fails at once (its
+//     slots' immediate counts can no longer be trusted, its id is quarantined on close), and the
+//     other end hears NOTICE BROKEN and breaks too.
+//   - deregMr of a buffer that a posted receive exposes to the sender (NCCL's abort) breaks that
+//     receive's comm first and waits (at most PONTE_TIMEOUT_MS) for the sender's ACK: a write into
+//     memory deregistered under it would break the connection every comm shares (an RC QP in
+//     error, tcp's dropped connection).
+//   - Either end that hears BROKEN or CLOSED starts no write toward the other end any more and
+//     answers ACK once its writes in flight have ended.
+//   - A receive posted before a rebuild that still lacks data once the peer is ready again (no
+//     write of the older connection can land after that) failed: it was lost with the connection.
+//   - Comms with nothing in flight at a rebuild carry on untouched.
+//   - Closing: once the comm's operations have ended it sends NOTICE CLOSED (how many requests it
+//     started, whether all went well) and keeps its FIFO / record buffers registered until the
+//     other end answers CLOSE_ACK (it writes into them no more), closes too, dies, or
+//     PONTE_TIMEOUT_MS passes. The other end refuses new requests at once and fails those of its
+//     receives whose data the closed sender never sent.
 #pragma once
 
 #include <atomic>
@@ -48,6 +76,8 @@ constexpr uint32_t kMagicFreed = 0xdeadc0de;
 
 constexpr size_t kPage = 4096;
 constexpr int kCtrlSlots = 64;  // control message buffers per device
+constexpr int kConnectResendMs = 200;      // CONNECT again when no answer came within this
+constexpr int kConnectResendMaxMs = 2000;  // doubling up to this
 constexpr int kSendRequests = kMaxRequests * kMaxRecvs;
 
 // Page-aligned, zeroed host memory for the protocol's own registered buffers.
@@ -112,7 +142,10 @@ struct SendRequest : Request {
 };
 
 struct RecvRequest : Request {
+  // While outstanding: the registrations its CTS exposed to the sender (deregMr looks for them).
+  std::atomic<const MrEntry*> targets[kMaxRecvs] = {};
   uint64_t number = 0;
+  uint32_t epoch = 0;  // the engine peer's rebuild count when posted (see "comm pairs")
   int n = 0;
   uint32_t data_imm = 0;
   uint32_t record_imm = 0;
@@ -134,6 +167,22 @@ struct CommBase {
   bool dirty = false;                 // closed with requests outstanding
   bool is_send = false;
   std::vector<MemoryRegion> mrs;      // the protocol's own registrations
+
+  // The pair (see "comm pairs" above). The NOTICE handler (an engine worker, under Inbox::mu)
+  // writes the atomics; the thread that drives the comm reads them.
+  uint64_t token = 0;   // the CONNECT token both ends share
+  bool paired = false;  // in Inbox::pairs: established, closes with NOTICE CLOSED
+  std::atomic<uint8_t> broken{0};      // a Code: why the pair can no longer be trusted; 0 = sound
+  std::atomic<bool> broken_told{false};  // NOTICE BROKEN went to the other end
+  std::atomic<bool> failed_any{false};   // some request of this comm failed
+  std::atomic<bool> peer_stop{false};    // BROKEN or CLOSED arrived: write nothing more there
+  std::atomic<bool> peer_closed{false};  // NOTICE CLOSED arrived
+  bool peer_clean = false;               // ... every operation of the other end had ended well
+  uint64_t peer_count = 0;               // ... after starting this many requests
+  std::atomic<bool> ack_sent{false};     // our ACK to peer_stop went (or is being sent)
+  std::atomic<bool> acked{false};        // the other end's ACK arrived: it writes here no more
+  bool closed_sent = false;              // closed, and NOTICE CLOSED sent
+  Clock::time_point close_deadline;      // closed: free the buffers by then in any case
 };
 
 struct SendComm : CommBase {
@@ -158,6 +207,8 @@ struct RecvComm : CommBase {
   uint64_t next = 0;                // next request number
   RecvRequest reqs[kMaxRequests];
   Request flushes[kMaxRequests];
+  uint8_t accept_msg[kMaxMsgSize];  // the ACCEPT that made it: sent again to a repeated CONNECT
+  size_t accept_len = 0;
 };
 
 struct Incoming {
@@ -172,6 +223,7 @@ struct ListenComm {
   uint32_t id = 0;
   uint64_t nonce = 0;
   std::deque<Incoming> queue;  // guarded by Inbox::mu
+  std::unordered_set<uint64_t> seen;  // every CONNECT token queued here (Inbox::mu): repeats are dropped
   // An accepted comm whose ACCEPT message could not be sent yet (no control buffer free).
   RecvComm* accepting = nullptr;
   uint8_t accept_msg[kMaxMsgSize];
@@ -186,6 +238,8 @@ struct PendingConnect {
   uint8_t msg[kMaxMsgSize];
   size_t msg_len = 0;
   ConnectState state = ConnectState::kSending;  // guarded by Inbox::mu
+  Clock::time_point resend_at;                  // kWaiting: CONNECT again from then on
+  int resend_ms = kConnectResendMs;
   bool bootstrap = false;  // the listener answers from its own group: the data peer is accept_from
   AcceptMsg accept;
   PeerId accept_from = 0;
@@ -197,6 +251,7 @@ struct PendingConnect {
 struct CtrlSlot {
   Device* dev = nullptr;
   int index = 0;
+  std::atomic<uint64_t> connect_token{0};  // a CONNECT: its send failing makes connect() send again
 };
 
 struct Device {
@@ -244,6 +299,9 @@ struct Inbox {
   uint32_t next_listen_id = 1;
   std::unordered_map<uint32_t, ListenComm*> listeners;    // by listen id
   std::unordered_map<uint64_t, PendingConnect*> pending;  // by connect token
+  // Established comms by token, [0] recv comms, [1] send comms: NOTICEs and repeated CONNECTs
+  // find them here. A comm leaves before it is freed (unpair_comm).
+  std::unordered_map<uint64_t, CommBase*> pairs[2];
 };
 
 // Never destroyed: handlers may run during unload.
@@ -287,7 +345,19 @@ inline Status bad(const char* what) { return Status(Code::kInvalidArgument, "%s"
 // ---- defined in transport_connect.cc --------------------------------------------------------------
 
 // Sends a control message (copied into a registered buffer) to peer. kAgain: no buffer free.
-Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len);
+// With connect_token, a failed send sets that pending connect back to sending.
+Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len, uint64_t connect_token = 0);
+// Sends a NOTICE to the other end of c's pair.
+Status send_notice(CommBase* c, NoticeWhat what, bool clean = false, uint64_t count = 0);
+// Marks c's pair broken with code (first cause wins) and tells the other end (once; retried by
+// later calls while no control buffer is free). Under d->mu or on the thread that drives c.
+void break_comm(CommBase* c, Code code);
+// Enters c into / takes it out of Inbox::pairs (takes Inbox::mu).
+void pair_comm(CommBase* c);
+void unpair_comm(CommBase* c);
+// Sends the ACK that a BROKEN or CLOSED from the other end asks for, once c's operations have
+// ended, unless it went already (the NOTICE handler answers at once when none were in flight).
+void answer_stop(CommBase* c);
 // Answers a CONNECT with REJECT (logged when it cannot be sent).
 void reject(Device* d, PeerId to, uint64_t token, RejectReason why);
 // The engine's message handler (CONNECT / ACCEPT / REJECT), on the engine's worker thread.

@@ -4,6 +4,8 @@
 
 #include <thread>
 
+#include "plugin/log.h"
+
 namespace ponte::plugin {
 
 Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
@@ -52,6 +54,51 @@ Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
   return Status::Ok();
 }
 
+namespace {
+
+// NCCL's abort deregisters receive buffers whose CTS the sender holds: a write into them after
+// the deregistration would break the connection every comm of this device pair shares. Each recv
+// comm with an outstanding receive into m is broken first (the sender hears BROKEN, stops and
+// answers ACK once its writes have ended), and this waits for the answers, at most
+// PONTE_TIMEOUT_MS (then the deregistration goes ahead and is logged). Call with d->mu held; it is
+// released while waiting.
+void quiesce_senders_into(Device* d, const MrEntry* m, std::unique_lock<std::mutex>& lock) {
+  std::vector<CommBase*> exposed;
+  for (CommBase* c : d->comms) {
+    if (c->is_send || !c->paired || c->acked.load(std::memory_order_acquire)) continue;
+    auto* rc = static_cast<RecvComm*>(c);
+    bool hit = false;
+    for (const RecvRequest& q : rc->reqs)
+      for (const auto& t : q.targets) hit = hit || t.load(std::memory_order_acquire) == m;
+    if (hit) exposed.push_back(c);
+  }
+  if (exposed.empty()) return;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
+  for (CommBase* c : exposed) break_comm(c, Code::kCancelled);
+  for (;;) {
+    // A comm closed and freed meanwhile (by another thread while mu was released) is done with.
+    std::erase_if(exposed, [&](CommBase* c) { return d->comms.count(c) == 0; });
+    bool waiting = false;
+    for (CommBase* c : exposed) {
+      if (c->acked.load(std::memory_order_acquire) || d->engine->peer_dead(d->group, c->peer)) continue;
+      if (!c->broken_told.load()) break_comm(c, Code::kCancelled);  // its BROKEN found no buffer
+      waiting = true;
+    }
+    if (!waiting) return;
+    if (Clock::now() >= deadline) {
+      PONTE_NET_WARN("device %d: deregMr of %p: a sender still writing into it did not answer "
+                     "within PONTE_TIMEOUT_MS; deregistering anyway", d->index,
+                     reinterpret_cast<void*>(m->start));
+      return;
+    }
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    lock.lock();
+  }
+}
+
+}  // namespace
+
 Status dereg_mr(void* /*comm: may be closed already; the handle knows its device*/, void* mhandle) {
   auto* m = static_cast<MrEntry*>(mhandle);
   if (tag_at(m) != kMagicMr) return bad("deregMr: not a memory handle");
@@ -66,6 +113,7 @@ Status dereg_mr(void* /*comm: may be closed already; the handle knows its device
     }
   }
   m->magic = kMagicFreed;  // no new request can name it
+  if (d->engine) quiesce_senders_into(d, m, lock);
   if (m->users.load(std::memory_order_acquire) != 0) {
     // Operations still read or write through it (NCCL deregisters mid-transfer when it aborts):
     // as ibv_dereg_mr on a NIC, nothing may touch the memory once this returns. They end within

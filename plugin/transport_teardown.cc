@@ -16,6 +16,7 @@ void delete_comm(CommBase* c) {
 
 // Frees a comm whose operations have all ended. Call with d->mu held.
 void destroy_comm(Device* d, CommBase* c) {
+  unpair_comm(c);  // no NOTICE reaches it any more
   for (auto& mr : c->mrs) {
     Status st = d->engine->deregister(mr);
     if (!st.ok()) PONTE_NET_INFO("device %d: deregister failed: %s", d->index, st.message());
@@ -33,10 +34,31 @@ void destroy_comm(Device* d, CommBase* c) {
   delete_comm(c);
 }
 
+// Whether a closed comm may be freed now; sends what its close still owes the other end. A
+// paired comm waits for its operations to end, tells the other end (NOTICE CLOSED) and keeps its
+// buffers until that end stops writing into them (see "comm pairs" in transport_internal.h).
+bool ready_to_free(Device* d, CommBase* c) {
+  if (c->inflight.load(std::memory_order_acquire) != 0) return false;
+  if (!c->paired) return true;
+  answer_stop(c);  // both ends closing: ours ended, so the other end's CLOSED is answered too
+  const bool dead = d->engine->peer_dead(d->group, c->peer);
+  if (!c->closed_sent && !dead) {
+    const bool clean = !c->failed_any.load() && c->broken.load(std::memory_order_acquire) == 0;
+    const uint64_t started = c->is_send ? static_cast<SendComm*>(c)->head : static_cast<RecvComm*>(c)->next;
+    Status st = send_notice(c, NoticeWhat::kClosed, clean, started);
+    if (st.code() == Code::kAgain) return false;  // no control buffer free: the next call tries
+    if (!st.ok()) return true;                    // the other end cannot be reached
+    c->closed_sent = true;
+  }
+  // The other end's own CLOSED also says that it writes here no more.
+  return dead || c->acked.load(std::memory_order_acquire) || c->peer_closed.load() ||
+         Clock::now() >= c->close_deadline;
+}
+
 void reap_graveyard(Device* d) {
   auto& g = d->graveyard;
   for (size_t i = 0; i < g.size();) {
-    if (g[i]->inflight.load(std::memory_order_acquire) == 0) {
+    if (ready_to_free(d, g[i])) {
       destroy_comm(d, g[i]);
       g[i] = g.back();
       g.pop_back();
@@ -46,15 +68,24 @@ void reap_graveyard(Device* d) {
   }
 }
 
-// Closes a comm: now when nothing is in flight, else once the engine has ended its operations.
+// Closes a comm: now when it can go (see ready_to_free), else later, from the device's graveyard.
 void retire_comm(Device* d, CommBase* c) {
   c->magic = kMagicFreed;  // no more calls through NCCL
-  if (c->inflight.load(std::memory_order_acquire) == 0) {
+  if (c->broken.load(std::memory_order_acquire) != 0 || c->failed_any.load()) c->dirty = true;
+  c->close_deadline = Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
+  if (ready_to_free(d, c)) {
     destroy_comm(d, c);
   } else {
     d->graveyard.push_back(c);
   }
   reap_graveyard(d);
+}
+
+void answer_stop(CommBase* c) {
+  if (!c->paired || !c->peer_stop.load() || c->inflight.load() != 0 || c->ack_sent.load()) return;
+  if (c->ack_sent.exchange(true)) return;
+  Status st = send_notice(c, NoticeWhat::kAck);
+  if (st.code() == Code::kAgain) c->ack_sent.store(false);  // no control buffer free: later
 }
 
 void teardown_device(Device* d) {
@@ -91,6 +122,8 @@ void teardown_device(Device* d) {
     if (pc->comm) d->comms.insert(pc->comm);
     delete pc;
   }
+  for (CommBase* c : d->comms) unpair_comm(c);
+  for (CommBase* c : d->graveyard) unpair_comm(c);
   d->pending_connects.clear();
   for (ListenComm* l : d->listen_comms) {
     if (l->accepting) d->comms.insert(l->accepting);

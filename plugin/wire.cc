@@ -148,6 +148,17 @@ size_t encode_reject(const RejectMsg& m, uint8_t* out) {
   return len;
 }
 
+size_t encode_notice(const NoticeMsg& m, uint8_t* out) {
+  put_header(out, 'N', kNoticeBytes);
+  put<uint64_t>(out + 4, m.token);
+  out[12] = m.to_send ? 1 : 0;
+  out[13] = static_cast<uint8_t>(m.what);
+  out[14] = m.clean ? 1 : 0;
+  out[15] = 0;
+  put<uint64_t>(out + 16, m.count);
+  return kNoticeBytes;
+}
+
 Result<MsgKind> peek_kind(std::span<const uint8_t> b) {
   if (b.size() < 4) return Status(Code::kInvalidArgument, "message: %zu bytes, too short", b.size());
   if (b[0] != kWireVersion)
@@ -159,6 +170,8 @@ Result<MsgKind> peek_kind(std::span<const uint8_t> b) {
       return MsgKind::kAccept;
     case 'R':
       return MsgKind::kReject;
+    case 'N':
+      return MsgKind::kNotice;
     default:
       return Status(Code::kInvalidArgument, "message: unknown kind 0x%02x", b[1]);
   }
@@ -216,6 +229,25 @@ Result<RejectMsg> decode_reject(std::span<const uint8_t> b) {
       reason > static_cast<uint32_t>(RejectReason::kNoResources))
     return Status(Code::kInvalidArgument, "REJECT: unknown reason %u", reason);
   m.reason = static_cast<RejectReason>(reason);
+  return m;
+}
+
+Result<NoticeMsg> decode_notice(std::span<const uint8_t> b) {
+  PONTE_RETURN_IF_ERROR(check_message(b, 'N', kNoticeBytes, "NOTICE"));
+  if (b.size() != kNoticeBytes)
+    return Status(Code::kInvalidArgument, "NOTICE: %zu bytes, expected %zu", b.size(), kNoticeBytes);
+  NoticeMsg m;
+  m.token = get<uint64_t>(b.data() + 4);
+  const uint8_t role = b[12], what = b[13], clean = b[14];
+  if (m.token == 0 || role > 1 || clean > 1 || b[15] != 0)
+    return Status(Code::kInvalidArgument, "NOTICE: bad token, role %u, clean %u or reserved %u",
+                  role, clean, b[15]);
+  if (what < static_cast<uint8_t>(NoticeWhat::kBroken) || what > static_cast<uint8_t>(NoticeWhat::kAck))
+    return Status(Code::kInvalidArgument, "NOTICE: unknown notice %u", what);
+  m.to_send = role == 1;
+  m.what = static_cast<NoticeWhat>(what);
+  m.clean = clean == 1;
+  m.count = get<uint64_t>(b.data() + 16);
   return m;
 }
 

@@ -90,8 +90,20 @@ void set_handle_stage(uint8_t* handle, uint64_t token);
 //   ACCEPT  'A' (listener -> sender): u64 connect token, u32 receiver comm id, u32 reserved (0),
 //       u16 record region length, record RemoteRegion bytes
 //   REJECT  'R' (listener -> sender): u64 connect token, u32 reason (RejectReason)
-enum class MsgKind : uint8_t { kConnect = 'C', kAccept = 'A', kReject = 'R' };
+//   NOTICE  'N' (either end -> the other end of an established pair): u64 connect token (names the
+//       pair), u8 target role (1 = the send comm, 0 = the recv comm), u8 what (NoticeWhat),
+//       u8 clean (CLOSED: 1 when every operation of the closing comm ended well), u8 reserved (0),
+//       u64 count (CLOSED: requests the closing comm started: the sender's matched CTS, the
+//       receiver's posted CTS); 24 bytes
+enum class MsgKind : uint8_t { kConnect = 'C', kAccept = 'A', kReject = 'R', kNotice = 'N' };
 enum class RejectReason : uint32_t { kNoListener = 1, kClosed = 2, kNoResources = 3 };
+// What one end of a comm pair tells the other (see transport_internal.h, "comm pairs").
+enum class NoticeWhat : uint8_t {
+  kBroken = 1,  // this end failed (a request failed, a receive buffer was deregistered): the
+                // pair's slots can no longer be trusted; write nothing more here, and say so
+  kClosed = 2,  // this end closed after its operations ended; it writes nothing more; nor may you
+  kAck = 3,     // the answer to both: this end's writes toward you have ended, none will start
+};
 
 struct ConnectMsg {
   uint32_t listen_id = 0;
@@ -114,15 +126,27 @@ struct RejectMsg {
   friend bool operator==(const RejectMsg&, const RejectMsg&) = default;
 };
 
+struct NoticeMsg {
+  uint64_t token = 0;
+  bool to_send = false;  // the target is the pair's send comm (else its recv comm)
+  NoticeWhat what = NoticeWhat::kBroken;
+  bool clean = false;
+  uint64_t count = 0;
+  friend bool operator==(const NoticeMsg&, const NoticeMsg&) = default;
+};
+
 constexpr size_t kMaxMsgSize = 512;
+constexpr size_t kNoticeBytes = 24;
 // Each encoder returns the number of bytes written to out (capacity kMaxMsgSize).
 Result<size_t> encode_connect(const ConnectMsg& m, uint8_t* out);
 Result<size_t> encode_accept(const AcceptMsg& m, uint8_t* out);
 size_t encode_reject(const RejectMsg& m, uint8_t* out);
+size_t encode_notice(const NoticeMsg& m, uint8_t* out);
 Result<MsgKind> peek_kind(std::span<const uint8_t> bytes);
 Result<ConnectMsg> decode_connect(std::span<const uint8_t> bytes);
 Result<AcceptMsg> decode_accept(std::span<const uint8_t> bytes);
 Result<RejectMsg> decode_reject(std::span<const uint8_t> bytes);
+Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 
 // ---------------------------------------------------------------------------------------------
 // CTS FIFO slot: what irecv writes into slot (request % 32) of the sender's FIFO, always whole

@@ -286,6 +286,26 @@ bool FabricNic::classify(const struct fi_cq_data_entry& entry, Completion* out) 
   return false;  // a provider-internal or remote completion ponte did not ask for
 }
 
+// A lost connection (ENOTCONN, ECONNRESET, a flush with ECANCELED) and EIO, whose cause is
+// unknown, count as broken: the cautious side, since a connection that broke unnoticed would
+// leave its users waiting, while a needless rebuild only fails what was in flight.
+bool refuses_one_operation(int err) {
+  switch (err) {
+    case FI_EACCES:
+    case FI_EINVAL:
+    case FI_EFAULT:
+    case FI_EMSGSIZE:
+    case FI_EOVERFLOW:
+    case FI_ETRUNC:
+    case FI_EKEYREJECTED:
+    case FI_ENOKEY:
+    case FI_EBADFLAGS:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Reads one error completion: -1 none could be read, 0 read but not ponte's, 1 reported in *out.
 int FabricNic::read_error(Completion* out) {
   struct fi_cq_err_entry err = {};
@@ -304,6 +324,7 @@ int FabricNic::read_error(Completion* out) {
   warn_limited("error completion (%s): %s [%s]", what, lib_.error_text(err.err), text ? text : "");
   if (op == nullptr) return 0;
   *out = Completion{op->ctx, 0, 0, op->kind, Code::kTransport};
+  out->op_only = refuses_one_operation(err.err);
   ops_.give(op);
   return 1;
 }

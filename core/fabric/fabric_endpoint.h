@@ -29,6 +29,11 @@ namespace ponte::fabric {
 //   provider here fails them by itself when the peer dies);
 // - 0-byte writes with immediate go to the provider as they are: tcp;ofi_rxm, shm, net and
 //   udp;ofi_rxd all accept them (tested), with or without a local buffer.
+// Whether an error completion's errno (fi_cq_err_entry::err) refuses that operation alone and
+// leaves the connection intact (Completion::op_only): a bad key, address or length. Anything else
+// counts as a broken connection, which the engine rebuilds.
+bool refuses_one_operation(int err);
+
 class FabricNic final : public Nic {
  public:
   // info: the device's fi_info (copied; the backend may go away first). max_inflight caps the

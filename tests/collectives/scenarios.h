@@ -485,6 +485,10 @@ std::string survive_death(Communicator& c, const std::function<void()>& before_d
   CHECK_OR_RETURN(buf.ok(), "EpBuffer::create: %s", buf.status().message());
   std::string v = round_trip(**buf, W, me, 0, Pattern::kRandom, true, false);
   if (!v.empty()) return v;
+  // The victim's own round trip can end while its combine writes to others are still on the wire:
+  // dying then fails a survivor's combine, not its dispatch. Everyone finishes the round first.
+  Status bst = c.barrier();
+  CHECK_OR_RETURN(bst.ok(), "rank %d: barrier before the death: %s", me, bst.message());
   before_dispatch();  // the victim never returns from it
   Inputs in = make_inputs(W, me, 1, Pattern::kRandom);
   Tensor x(static_cast<size_t>(in.T), DType::kFloat32);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/fabric/fabric_endpoint.h"
 #include "core/nic.h"
 
 // LeakSanitizer's switch, present only in -DPONTE_SANITIZE=address builds.
@@ -507,6 +508,17 @@ TEST_P(FabricPair, RemovingADeadPeerEndsItsOperationsAndSparesTheOthers) {
   }
   live->deregister(at_live.mr);
   at_live.mr.handle = nullptr;
+}
+
+// The engine rebuilds a connection on an error completion unless the provider refused that one
+// operation; a lost connection must never count as one operation's error (its neighbours would
+// wait on a dead connection), and a refused key must not cost the neighbours a rebuild.
+TEST(FabricErrors, OnlyRefusalsOfOneOperationKeepTheConnection) {
+  for (int e : std::initializer_list<int>{FI_EACCES, FI_EINVAL, FI_EFAULT, FI_EMSGSIZE, FI_ETRUNC, FI_EKEYREJECTED, FI_ENOKEY})
+    EXPECT_TRUE(fabric::refuses_one_operation(e)) << "errno " << e;
+  for (int e : std::initializer_list<int>{FI_ENOTCONN, FI_ECONNRESET, FI_ECONNABORTED, FI_ECONNREFUSED, FI_EHOSTUNREACH,
+                FI_ENETUNREACH, FI_ENETDOWN, FI_ECANCELED, FI_ETIMEDOUT, FI_EIO, FI_EOTHER, 0})
+    EXPECT_FALSE(fabric::refuses_one_operation(e)) << "errno " << e;
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FabricPair,

@@ -1009,6 +1009,77 @@ TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
   }
 }
 
+// Issue 10 item 2: a CONNECT or ACCEPT lost on the wire (a connection rebuild fails every message
+// in flight; tcp loses what it had buffered) used to leave connect() answering "not yet" forever.
+// PONTE_FAULT_DROP_RECVS=1 makes the peer's engine lose the first message that reaches it.
+TEST(PluginProcesses, LostConnectIsSentAgain) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  const std::vector<size_t> sizes = {3000, kMiB + 7};
+  Peer peer({"recv", join_sizes(sizes)}, {"PONTE_FAULT_DROP_RECVS=1"});  // it loses our CONNECT
+  ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, 0, sizes, peer));
+}
+
+TEST(PluginProcesses, LostAcceptIsSentAgain) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  const std::vector<size_t> sizes = {3000, kMiB + 7};
+  Peer peer({"send", join_sizes(sizes)}, {"PONTE_FAULT_DROP_RECVS=1"});  // it loses our ACCEPT
+  ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, 0, sizes, peer, 0));
+}
+
+// Issue 10 item 3: NCCL's abort on the receiving side (mode "dereg": deregMr of buffers whose
+// receives are posted; mode "close": closeRecv with receives posted) while this side holds their
+// CTS. A write into them would hit deregistered memory and break the connection that every comm
+// of the two devices shares (rxm drops it; an RC QP goes to error). Now the receiver's end tells
+// this end first and waits for its answer: our sends on that comm are refused, never written, and
+// the neighbour comm B carries verified data in both directions afterwards.
+void abort_beside_a_neighbour(const char* mode) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  const std::vector<size_t> sizes = {0, 5000, 3 * kMiB + 1};
+  Peer peer({"isolation_recv", mode, join_sizes(sizes)});
+  ASSERT_TRUE(peer.started());
+  void* comm[2] = {nullptr, nullptr};  // A (aborted by the peer), B (its neighbour)
+  for (void*& c : comm) {
+    std::vector<uint8_t> handle;
+    ASSERT_TRUE(peer.channel().recv(&handle)) << "no handle from the peer";
+    ASSERT_OK(connect_comm(net, 0, handle.data(), &c));
+  }
+  std::string msg;
+  ASSERT_TRUE(peer.channel().recv_str(&msg, 60000) && msg == "posted") << msg;
+  // The peer aborts A while we hold its CTS; it reports once it is done (deregMr / closeRecv
+  // returned: its buffers may be gone).
+  auto src = std::make_unique<Buffer>(net, comm[0], kMiB);
+  ASSERT_TRUE(peer.channel().send_str("abort"));
+  ASSERT_TRUE(peer.channel().recv_str(&msg, 60000) && msg == "aborted") << msg;
+  NcclResult r = kSuccess;
+  void* req = nullptr;
+  const auto deadline = Clock::now() + 10s;
+  while (r == kSuccess && !req && Clock::now() < deadline)
+    r = net->isend(comm[0], src->data(), kMiB, 0, src->mh(), nullptr, &req);
+  EXPECT_NE(r, kSuccess) << "a send on the aborted comm " << (req ? "was written into the peer's "
+                            "deregistered receive buffer" : "neither failed nor started: it waits forever");
+  if (req) {  // written anyway (the failure above): let it end before the buffer goes
+    int got = 0;
+    wait_request(net, req, &got, 20s);
+  }
+  ASSERT_NO_FATAL_FAILURE(send_sizes_to_receiver(net, comm[1], sizes, peer));
+  src.reset();
+  EXPECT_OK(net->close_send(comm[0]));
+  EXPECT_OK(net->close_send(comm[1]));
+}
+
+TEST(PluginProcesses, ReceiverDeregisteringPostedBuffersBreaksNoNeighbour) {
+  abort_beside_a_neighbour("dereg");
+}
+TEST(PluginProcesses, ReceiverClosingWithReceivesPostedBreaksNoNeighbour) {
+  abort_beside_a_neighbour("close");
+}
+
 TEST(PluginProcesses, V8TableMovesData) {
   // v8 (NCCL 2.19-2.21) takes a reference that is never finalized: run it in its own process.
   Peer peer({"v8"});
@@ -1125,6 +1196,53 @@ int peer_main(int argc, char** argv) {
       if (!error.empty()) return fail(error);
     }
     net->close_recv(recv);
+    net->close_listen(listen);
+    ch.send_str("ok");
+    return 0;
+  }
+  if (role == "isolation_recv") {  // see abort_beside_a_neighbour
+    const std::string mode = argv[3];
+    Handle h;
+    void* listen = nullptr;
+    if (net->listen(net.ctx(), 0, h.bytes, &listen) != kSuccess) return fail("listen");
+    void* recv[2] = {nullptr, nullptr};
+    for (void*& r : recv) {
+      ch.send(h.bytes, sizeof(h.bytes));
+      if (accept_comm(net, listen, &r) != kSuccess) return fail("accept");
+    }
+    constexpr int kBuffers = 8;
+    std::vector<uint8_t*> buf(kBuffers);
+    std::vector<void*> mh(kBuffers);
+    for (int i = 0; i < kBuffers; ++i) {
+      buf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+      if (net->reg_mr(recv[0], buf[i], kMiB, kPtrHost, &mh[i]) != kSuccess) return fail("regMr");
+      void* data[1] = {buf[i]};
+      size_t cap[1] = {kMiB};
+      int tags[1] = {0};
+      void* mhs[1] = {mh[i]};
+      void* req = nullptr;
+      if (post_recv(net, recv[0], 1, data, cap, tags, mhs, &req) != kSuccess) return fail("irecv");
+    }
+    ch.send_str("posted");
+    std::string go;
+    if (!ch.recv_str(&go, 120000) || go != "abort") return fail("no abort");
+    if (mode == "close") net->close_recv(recv[0]);
+    for (int i = 0; i < kBuffers; ++i) {
+      net->dereg_mr(recv[0], mh[i]);
+      std::memset(buf[i], 0xee, kMiB);  // reused at once, as freed memory would be
+    }
+    if (mode != "close") net->close_recv(recv[0]);
+    ch.send_str("aborted");
+    uint32_t seed = 1;
+    for (size_t s : split_sizes(argv[4])) {
+      const std::string error = receive_verified(net, recv[1], s, seed++);
+      if (!error.empty()) return fail("neighbour: " + error);
+    }
+    for (int i = 0; i < kBuffers; ++i)
+      for (size_t j = 0; j < kMiB; ++j)
+        if (buf[i][j] != 0xee) return fail("a write landed in a deregistered receive buffer");
+    for (uint8_t* b : buf) std::free(b);
+    net->close_recv(recv[1]);
     net->close_listen(listen);
     ch.send_str("ok");
     return 0;

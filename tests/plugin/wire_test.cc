@@ -133,6 +133,36 @@ TEST(PluginWire, ConnectionMessagesRoundTrip) {
   EXPECT_FALSE(peek_kind({buf, rn}).ok());
 }
 
+TEST(PluginWire, NoticeRoundTripAndStrictDecoding) {
+  uint8_t buf[kMaxMsgSize];
+  const NoticeMsg m{0x1122334455667788ull, true, NoticeWhat::kClosed, true, 41};
+  ASSERT_EQ(encode_notice(m, buf), kNoticeBytes);
+  ASSERT_EQ(peek_kind({buf, kNoticeBytes}).value(), MsgKind::kNotice);
+  auto d = decode_notice({buf, kNoticeBytes});
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(*d, m);
+  for (NoticeWhat w : {NoticeWhat::kBroken, NoticeWhat::kAck}) {
+    encode_notice(NoticeMsg{9, false, w, false, 0}, buf);
+    auto dw = decode_notice({buf, kNoticeBytes});
+    ASSERT_TRUE(dw.ok());
+    EXPECT_EQ(dw->what, w);
+    EXPECT_FALSE(dw->to_send);
+  }
+  // Truncated, longer, token 0, unknown notice, role or clean byte, reserved byte set: refused.
+  encode_notice(m, buf);
+  EXPECT_FALSE(decode_notice({buf, kNoticeBytes - 1}).ok());
+  EXPECT_FALSE(decode_notice({buf, kNoticeBytes + 1}).ok());
+  for (size_t at : {size_t{12}, size_t{13}, size_t{14}, size_t{15}}) {
+    uint8_t bad[kNoticeBytes];
+    std::memcpy(bad, buf, kNoticeBytes);
+    bad[at] = 7;
+    EXPECT_FALSE(decode_notice({bad, kNoticeBytes}).ok()) << "byte " << at;
+  }
+  encode_notice(NoticeMsg{0, false, NoticeWhat::kBroken, false, 0}, buf);
+  EXPECT_FALSE(decode_notice({buf, kNoticeBytes}).ok()) << "token 0";
+  EXPECT_FALSE(decode_reject({buf, kNoticeBytes}).ok()) << "a NOTICE is not a REJECT";
+}
+
 TEST(PluginWire, CtsSlotRoundTrip) {
   std::vector<uint8_t> slot(kCtsSlotBytes, 0xee);
   const auto r4 = region(4).encode();
