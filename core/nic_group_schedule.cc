@@ -68,6 +68,17 @@ void NicGroup::fail_slot(uint32_t i, Code code, const char* why) {
   finish(i);
 }
 
+// Deadlines start from the clock as it is when the work starts. The loop's clock (now_) is only as
+// fresh as the last pass that read it, and a worker that was off the CPU (a loaded host) or kept
+// in a slow completion callback would start what was submitted meanwhile with its
+// PONTE_TIMEOUT_MS already spent (under TSan on a loaded host a 64 MiB striped write failed with
+// kTimeout half a second after it was posted; tests/faults/stall_test.cc). So drain_queue reads the
+// clock once per batch it starts, and an operation started in place (submitted from a callback on
+// this thread) reads it itself. Only the holder of the progress token runs either.
+namespace {
+thread_local bool tls_batch_clock = false;  // start_op runs inside drain_queue's batch
+}  // namespace
+
 bool NicGroup::drain_queue() {
   bool did = false;
   for (int n = 0; n < 256; n++) {
@@ -75,15 +86,21 @@ bool NicGroup::drain_queue() {
     if (!op) break;
     if (op->needs_slot() && free_slots_.empty())
       break;  // back-pressure: leave it queued until a slot frees
+    if (!did) {
+      now_ = Clock::now();
+      tls_batch_clock = true;
+    }
     start_op(*op);  // reads the entry in place; it stays ours until pop()
     queue_.pop();
     did = true;
   }
+  tls_batch_clock = false;
   return did;
 }
 
 void NicGroup::start_op(const Op& op) {
-  const auto now = now_;  // the loop's clock (at most 64 passes old): deadlines are in ms
+  if (!tls_batch_clock) now_ = Clock::now();
+  const auto now = now_;  // deadlines are in ms
   switch (op.type) {
     case Op::kCall:
       op.call(op.call_arg);
