@@ -3,6 +3,7 @@
 
 #include "core/log.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -34,8 +35,14 @@ Result<NicMr> VerbsMemory::register_memory(const MemoryDesc& mem) {
   if (mem.kind == MemKind::kHost) {
     mr = reg_host(mem.addr, mem.len, kAccess);
     if (mr == nullptr) {
-      return Status(Code::kResource, "ibv_reg_mr(%p, %zu) failed: %s", mem.addr, mem.len,
-                    strerror(errno));
+      const int err = errno;
+      // Registration pins the pages: without CAP_IPC_LOCK the kernel refuses past RLIMIT_MEMLOCK
+      // with ENOMEM, which reads like an out-of-memory error unless the limit is named.
+      rlimit lim{};
+      if (err == ENOMEM && getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+        return Status(Code::kResource, "ibv_reg_mr(%zu bytes) failed: %s (locked memory, ulimit -l, is %llu KiB)",
+                      mem.len, strerror(err), static_cast<unsigned long long>(lim.rlim_cur >> 10));
+      return Status(Code::kResource, "ibv_reg_mr(%p, %zu) failed: %s", mem.addr, mem.len, strerror(err));
     }
   } else if (mem.dmabuf_fd >= 0) {
     if (api_.reg_dmabuf_mr == nullptr) {
