@@ -15,9 +15,12 @@ using CUdeviceptr = unsigned long long;
 constexpr int kRangeHandleTypeDmaBufFd = 1;
 using GetHandleFn = CUresult (*)(void* handle, CUdeviceptr dptr, size_t size, int type, unsigned long long flags);
 using InitFn = CUresult (*)(unsigned int flags);
+using PointerAttrFn = CUresult (*)(void* data, int attribute, CUdeviceptr ptr);
+constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 
 struct CudaDriver {
   GetHandleFn get_handle = nullptr;
+  PointerAttrFn pointer_attr = nullptr;
   const char* error = nullptr;
 };
 
@@ -31,13 +34,16 @@ const CudaDriver& driver() {
     }
     auto init = reinterpret_cast<InitFn>(dlsym(lib, "cuInit"));
     r.get_handle = reinterpret_cast<GetHandleFn>(dlsym(lib, "cuMemGetHandleForAddressRange"));
-    if (!init || !r.get_handle) {
+    r.pointer_attr = reinterpret_cast<PointerAttrFn>(dlsym(lib, "cuPointerGetAttribute"));
+    if (!init || !r.get_handle || !r.pointer_attr) {
       r.get_handle = nullptr;
+      r.pointer_attr = nullptr;
       r.error = "the CUDA driver has no cuMemGetHandleForAddressRange (needs CUDA 11.7+)";
       return r;
     }
     if (init(0) != 0) {
       r.get_handle = nullptr;
+      r.pointer_attr = nullptr;
       r.error = "cuInit failed (no usable GPU)";
     }
     return r;
@@ -74,6 +80,16 @@ Result<CudaDmabuf> cuda_dmabuf_for_range(void* addr, size_t len) {
   out.fd = fd;
   out.offset = a - base;
   return out;
+}
+
+Result<int> cuda_device_of(const void* addr) {
+  const CudaDriver& d = driver();
+  if (!d.pointer_attr) return Status(Code::kUnavailable, "no device ordinal: %s", d.error);
+  int ordinal = -1;
+  CUresult rc = d.pointer_attr(&ordinal, kPointerAttributeDeviceOrdinal, reinterpret_cast<CUdeviceptr>(addr));
+  if (rc != 0 || ordinal < 0)
+    return Status(Code::kInvalidArgument, "%p is no CUDA memory (cuPointerGetAttribute: %d)", addr, rc);
+  return ordinal;
 }
 
 bool cuda_driver_usable() { return driver().get_handle != nullptr; }

@@ -23,6 +23,11 @@ struct CudaDmabuf {
 // Exports [addr, addr+len) of CUDA memory as a dmabuf (cuMemGetHandleForAddressRange).
 Result<CudaDmabuf> cuda_dmabuf_for_range(void* addr, size_t len);
 
+// The ordinal of the CUDA device whose memory holds addr (cuPointerGetAttribute's
+// DEVICE_ORDINAL): what libfabric's FI_HMEM registration needs. kUnavailable without a driver,
+// kInvalidArgument when addr is no CUDA memory.
+Result<int> cuda_device_of(const void* addr);
+
 // Whether this host's CUDA driver loads and initializes (there is a GPU to register memory of).
 bool cuda_driver_usable();
 

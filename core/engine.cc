@@ -199,7 +199,8 @@ void do_deregister(void* p) {
 }
 }  // namespace
 
-Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, MemKind kind, int cuda_device) {
+Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, MemKind kind, int cuda_device,
+                                             int dmabuf_fd, uint64_t dmabuf_offset) {
   PONTE_GROUP_OR_RETURN(g, group);
   if (!addr || len == 0) return Status(Code::kInvalidArgument, "register_memory: null address or zero length");
   RegisterJob job{g, {}, {}, Status::Ok()};
@@ -208,7 +209,15 @@ Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, 
   job.md.kind = kind;
   job.md.cuda_device = cuda_device;
   CudaDmabuf dmabuf;
-  if (kind == MemKind::kCuda) {
+  if (kind == MemKind::kCuda && cuda_device < 0) {
+    auto dev = cuda_device_of(addr);
+    if (dev.ok()) job.md.cuda_device = dev.value();
+    else PONTE_LOG_INFO("CUDA memory %p: %s", addr, dev.status().message());
+  }
+  if (kind == MemKind::kCuda && dmabuf_fd >= 0) {
+    job.md.dmabuf_fd = dmabuf_fd;  // the caller's: it stays theirs
+    job.md.dmabuf_offset = dmabuf_offset;
+  } else if (kind == MemKind::kCuda) {
     auto d = cuda_dmabuf_for_range(addr, len);
     if (d.ok()) {
       dmabuf = std::move(d.value());

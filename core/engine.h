@@ -112,8 +112,13 @@ class Engine {
   int peer_nics(int group, PeerId peer) const;
 
   // Registers [addr, addr+len) on every NIC of the group (blocking; not for the hot path).
+  // CUDA memory: cuda_device -1 asks the driver which device holds addr (libfabric's FI_HMEM
+  // needs the real ordinal); dmabuf_fd >= 0 registers through that dmabuf (the caller's, e.g.
+  // NCCL's regMrDmaBuf; dmabuf_offset is addr's offset in it), else one is exported for the range
+  // when the driver can, else the NIC's peer-memory path is used.
   Result<MemoryRegion> register_memory(int group, void* addr, size_t len,
-                                       MemKind kind = MemKind::kHost, int cuda_device = -1);
+                                       MemKind kind = MemKind::kHost, int cuda_device = -1,
+                                       int dmabuf_fd = -1, uint64_t dmabuf_offset = 0);
   Status deregister(MemoryRegion& mr);
 
   // ---- Operations. All asynchronous: Notify fires exactly once, with OK or the error, on the

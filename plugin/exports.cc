@@ -124,11 +124,11 @@ NcclResult p_accept(void* listen_comm, void** recv_comm, DeviceHandle** dev_comm
 NcclResult p_reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
   return guarded("regMr", [&] { return reg_mr(comm, data, size, type, mhandle); });
 }
-// The engine registers GPU memory through DMA-BUF itself where the NIC supports it, so the fd
-// NCCL offers is not needed.
-NcclResult p_reg_mr_dmabuf(void* comm, void* data, size_t size, int type, uint64_t /*offset*/,
-                       int /*fd*/, void** mhandle) {
-  return guarded("regMrDmaBuf", [&] { return reg_mr(comm, data, size, type, mhandle); });
+// NCCL's own dmabuf (fd, and data's offset in it) is what the NIC registers, as aws-ofi-nccl and
+// NCCL's net_ib do: the memory may come from an allocator whose range the engine could not export.
+NcclResult p_reg_mr_dmabuf(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                           void** mhandle) {
+  return guarded("regMrDmaBuf", [&] { return reg_mr(comm, data, size, type, mhandle, fd, offset); });
 }
 NcclResult p_dereg_mr(void* comm, void* mhandle) {
   return guarded("deregMr", [&] { return dereg_mr(comm, mhandle); });

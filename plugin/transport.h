@@ -50,7 +50,10 @@ Status close_send(void* send_comm);
 Status close_recv(void* recv_comm);
 
 // Memory registration (cached per device: page aligned, reference counted).
-Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle);
+// dmabuf_fd >= 0 (regMrDmaBuf, GPU memory): the NIC registers through that dmabuf, in which data
+// sits at dmabuf_offset.
+Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle, int dmabuf_fd = -1,
+              uint64_t dmabuf_offset = 0);
 Status dereg_mr(void* comm, void* mhandle);
 
 // Data path. A NULL request means "not now, call again".

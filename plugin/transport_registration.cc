@@ -8,7 +8,8 @@
 
 namespace ponte::plugin {
 
-Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
+Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle, int dmabuf_fd,
+              uint64_t dmabuf_offset) {
   if (!mhandle) return bad("regMr: NULL mhandle");
   *mhandle = nullptr;
   CommBase* c = as_comm(comm);
@@ -30,6 +31,12 @@ Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(data);
   const uintptr_t start = a / kPage * kPage;
   const uintptr_t end = (a + size + kPage - 1) / kPage * kPage;
+  if (dmabuf_fd >= 0 && (kind != MemKind::kCuda || dmabuf_offset < a - start))
+    return Status(Code::kInvalidArgument,
+                  "regMrDmaBuf: %s (fd %d, offset %llu of %p)",
+                  kind != MemKind::kCuda ? "only GPU memory comes as a dmabuf"
+                                         : "the offset leaves no room for the page the buffer starts in",
+                  dmabuf_fd, static_cast<unsigned long long>(dmabuf_offset), data);
   std::lock_guard<std::mutex> lock(d->mu);
   for (MrEntry* m : d->mrs) {
     if (m->kind == kind && m->covers(a, size)) {
@@ -43,7 +50,9 @@ Status reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
   m->start = start;
   m->len = end - start;
   m->kind = kind;
-  auto mr = d->engine->register_memory(d->group, reinterpret_cast<void*>(start), m->len, kind);
+  // The registration starts at the page: so does its place in NCCL's dmabuf.
+  auto mr = d->engine->register_memory(d->group, reinterpret_cast<void*>(start), m->len, kind, -1,
+                                       dmabuf_fd, dmabuf_fd >= 0 ? dmabuf_offset - (a - start) : 0);
   if (!mr.ok()) return mr.status();
   m->mr = mr.value();
   m->remote = m->mr.remote();

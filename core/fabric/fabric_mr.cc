@@ -52,6 +52,11 @@ Result<NicMr> FabricMrTable::register_memory(struct fid_domain* domain, struct f
       return Status(Code::kUnavailable,
                     "this libfabric provider has no FI_HMEM: CUDA memory cannot be registered");
     }
+    if (mem.cuda_device < 0) {
+      return Status(Code::kInvalidArgument,
+                    "CUDA memory at %p: its device ordinal is unknown (FI_HMEM needs the real one)",
+                    mem.addr);
+    }
     attr.iface = FI_HMEM_CUDA;
     attr.device.cuda = mem.cuda_device;
 #ifdef FI_MR_DMABUF

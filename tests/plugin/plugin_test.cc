@@ -305,6 +305,12 @@ TEST_F(PluginTest, BadInputGivesErrorsNotCrashes) {
   EXPECT_NE(net()->reg_mr(p.recv, b.data(), 4096, kPtrCuda, &mh), kSuccess);
   EXPECT_NE(net()->reg_mr(p.recv, b.data(), 4096, 77, &mh), kSuccess);
   EXPECT_NE(net()->reg_mr(nullptr, b.data(), 4096, kPtrHost, &mh), kSuccess);
+  // regMrDmaBuf hands the engine NCCL's dmabuf: only for GPU memory (host memory with an fd is
+  // refused, not registered with the fd ignored); the host path (fd -1) works as regMr does.
+  EXPECT_EQ(net()->reg_mr_dmabuf(p.recv, b.data(), 4096, kPtrHost, 0, 3, &mh), kInvalidArgument);
+  EXPECT_EQ(mh, nullptr);
+  ASSERT_OK(net()->reg_mr_dmabuf(p.recv, b.data(), 4096, kPtrHost, 0, -1, &mh));
+  EXPECT_OK(net()->dereg_mr(p.recv, mh));
   void* req = nullptr;
   void* data[9];
   size_t sizes[9];
