@@ -88,6 +88,9 @@ Result<Config> Config::from_env() {
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_SL", 15, &c.ib_service_level));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_TIMEOUT", 31, &c.ib_timeout));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_RETRY_CNT", 7, &c.ib_retry_count));
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_IB_QPS_PER_CONNECTION", 16, &c.ib_qps_per_connection));
+  if (c.ib_qps_per_connection == 0)
+    return Status(Code::kInvalidArgument, "PONTE_IB_QPS_PER_CONNECTION must be 1..16");
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_NICS", 16, &c.nics_per_group));
   int flush_host = 0;
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FLUSH_HOST", 1, &flush_host));

@@ -23,8 +23,9 @@ struct Config {
   int ib_gid_index = -1;                         // PONTE_IB_GID_INDEX: -1 picks RoCEv2 IPv4
   int ib_traffic_class = 0;                      // PONTE_IB_TC
   int ib_service_level = 0;                      // PONTE_IB_SL
-  int ib_timeout = 14;                           // PONTE_IB_TIMEOUT (4.096us * 2^x)
+  int ib_timeout = 20;                           // PONTE_IB_TIMEOUT (4.096us * 2^x), NCCL's 20
   int ib_retry_count = 7;                        // PONTE_IB_RETRY_CNT
+  int ib_qps_per_connection = 1;                 // PONTE_IB_QPS_PER_CONNECTION: RC QPs per peer NIC
   int nics_per_group = 0;                        // PONTE_NICS: NICs in the host group, 0 = all
   size_t stripe_min_bytes = 256 * 1024;          // PONTE_STRIPE_MIN: below this, one NIC per write
   uint32_t timeout_ms = 30000;                   // PONTE_TIMEOUT_MS: op / peer / connect timeout
@@ -35,7 +36,7 @@ struct Config {
   uint32_t queue_depth = 8192;                   // PONTE_QUEUE_DEPTH: submission ring entries
   uint32_t max_inflight = 16384;                 // PONTE_MAX_INFLIGHT: ops in flight per group
   uint32_t recv_buf_size = 64 * 1024;            // PONTE_RECV_SIZE: largest two-sided message
-  uint32_t recv_buf_count = 128;                 // PONTE_RECV_COUNT: receive buffers per NIC
+  uint32_t recv_buf_count = 512;                 // PONTE_RECV_COUNT: receive buffers per NIC
   std::vector<int> progress_cores;               // PONTE_PROGRESS_CORES: "2,3" pins workers
   std::string topo_file;                         // PONTE_TOPO_FILE: hwloc XML instead of live host
   bool flush_host = false;                       // PONTE_FLUSH_HOST: plugin flushes host memory too

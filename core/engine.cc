@@ -133,14 +133,16 @@ std::vector<uint8_t> Engine::address(int group) const {
   if (!g) return Status(Code::kInvalidArgument, "no group %d (engine has %zu)", index, \
                         impl_->groups.size())
 
-Result<PeerId> Engine::connect(int group, std::span<const uint8_t> peer_address) {
+Result<PeerId> Engine::connect(int group, std::span<const uint8_t> peer_address, const ConnectOptions& options) {
   PONTE_GROUP_OR_RETURN(g, group);
+  if (options.traffic_class < -1 || options.traffic_class > 255)
+    return Status(Code::kInvalidArgument, "connect: traffic class %d (0..255, or -1)", options.traffic_class);
   auto addr = GroupAddress::decode(peer_address);
   if (!addr.ok()) return addr.status();
   if (addr->backend != impl_->backend->kind())
     return Status(Code::kInvalidArgument, "peer address is for the %s backend, this engine runs %s",
                   backend_name(addr->backend), backend_name(impl_->backend->kind()));
-  PONTE_ASSIGN_OR_RETURN(PeerId id, g->new_outbound_peer(*addr));
+  PONTE_ASSIGN_OR_RETURN(PeerId id, g->new_outbound_peer(*addr, options.traffic_class));
   Op op;
   op.type = Op::kConnect;
   op.peer = id;
@@ -233,6 +235,7 @@ Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, 
   mr.addr = addr;
   mr.len = len;
   mr.group = group;
+  mr.kind = kind;
   mr.id = impl_->next_mr_id.fetch_add(1);
   mr.nic_mrs = std::move(job.out);
   return mr;

@@ -29,6 +29,7 @@ struct MemoryRegion {
   void* addr = nullptr;
   size_t len = 0;
   int group = -1;
+  MemKind kind = MemKind::kHost;  // GPU memory is never read by the CPU (no inline sends from it)
   uint64_t id = 0;  // engine-unique, 0 = invalid
   std::vector<NicMr> nic_mrs;
   // What a peer needs to write/read this memory; send its bytes (RemoteRegion::encode) out of band.
@@ -48,6 +49,15 @@ struct ScatterTarget {
   size_t len = 0;
   const RemoteRegion* dst = nullptr;
   size_t dst_offset = 0;
+};
+
+// Per-connection settings of Engine::connect.
+struct ConnectOptions {
+  // Traffic class (0..255; RoCE: the IP header's DSCP/ECN byte) of the connection's verbs QPs, as
+  // NCCL v11 hands a plugin one per communicator: both ends send in it (the accepting end takes it
+  // from the handshake, as NCCL's receiver does). -1: PONTE_IB_TC. Ignored by the libfabric
+  // backend, whose class (FI_TC) belongs to an endpoint, not to a peer.
+  int traffic_class = -1;
 };
 
 // Called for every two-sided message on the thread that progresses the group (its worker, or one
@@ -95,7 +105,7 @@ class Engine {
   // Starts connecting group to the remote group at peer_address; never blocks. Operations to the
   // returned peer may be submitted at once: they wait until the handshake completes. A peer that
   // connects to us appears through incoming_peers / RecvHandler with its own PeerId.
-  Result<PeerId> connect(int group, std::span<const uint8_t> peer_address);
+  Result<PeerId> connect(int group, std::span<const uint8_t> peer_address, const ConnectOptions& options = {});
   // Whether the handshake with peer has completed (false when dead).
   bool peer_ready(int group, PeerId peer) const;
   // How many times the connection to peer was rebuilt (a new handshake round after it broke:

@@ -82,6 +82,9 @@ struct WriteWr {
   uint64_t rkey = 0;
   uint32_t imm = 0;
   bool has_imm = false;
+  // The local bytes are host memory the CPU may read: a backend may then copy a small payload into
+  // the work request (verbs IBV_SEND_INLINE). False for GPU memory, where that copy would fault.
+  bool inline_ok = false;
   uint64_t ctx = 0;
 };
 
@@ -103,6 +106,14 @@ class Nic {
   virtual Status complete_connect(NicPeer peer, std::span<const uint8_t> peer_blob) = 0;
   // Operations still outstanding toward the peer complete with kCancelled at later polls.
   virtual void remove_peer(NicPeer peer) = 0;
+  // The traffic class (RoCE: the IP header's DSCP/ECN byte) of the connection to peer, before its
+  // connect_blob: verbs QPs send in it and ask the peer's side to do the same. Backends without
+  // per-peer classes ignore it.
+  virtual Status set_traffic_class(NicPeer peer, uint8_t traffic_class) {
+    (void)peer;
+    (void)traffic_class;
+    return Status::Ok();
+  }
 
   virtual Result<NicMr> register_memory(const MemoryDesc& mem) = 0;
   virtual void deregister(const NicMr& mr) = 0;
@@ -111,8 +122,9 @@ class Nic {
   virtual Status post_read(NicPeer peer, void* local, size_t len, void* desc, uint64_t remote_addr,
                            uint64_t rkey, uint64_t ctx) = 0;
   // A two-sided send; imm travels with it and comes out of the receiver's kRecv completion.
+  // inline_ok as in WriteWr: buf is host memory.
   virtual Status post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
-                           uint64_t ctx) = 0;
+                           uint64_t ctx, bool inline_ok) = 0;
   virtual Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) = 0;
 
   // Reads up to max completions into out; returns how many, never blocks.

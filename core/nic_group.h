@@ -80,7 +80,7 @@ class NicGroup {
   bool progress();
 
   // Peers.
-  Result<PeerId> new_outbound_peer(const GroupAddress& addr);
+  Result<PeerId> new_outbound_peer(const GroupAddress& addr, int traffic_class = -1);
   bool peer_ready(PeerId p) const;
   uint32_t peer_epoch(PeerId p) const;
   bool peer_dead(PeerId p) const;    // nothing more will come from it (after any drain)
@@ -118,6 +118,7 @@ class NicGroup {
     std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
     std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
+    int traffic_class = -1;   // outbound: ConnectOptions::traffic_class, set on every NIC peer
     std::atomic<uint32_t> rebuilds{0};  // connection rebuilds so far (Engine::peer_epoch)
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen

@@ -15,7 +15,7 @@
 
 namespace ponte {
 
-Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
+Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr, int traffic_class) {
   auto key = AuthKey::for_peer(addr.auth_kind, addr.auth_secret, cfg_.job_key);
   if (!key.ok()) return key.status();
   PeerId id = next_peer_.fetch_add(1, std::memory_order_relaxed);
@@ -28,6 +28,7 @@ Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr) {
   Peer& p = peers_[id];
   learn_address(p, addr);
   p.auth = *key;
+  p.traffic_class = traffic_class;
   p.handshake_deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
   p.state.store(kConnecting, std::memory_order_release);
   return id;
@@ -85,6 +86,7 @@ Status NicGroup::attach_backend(PeerId id) {
     auto np = nics_[k]->add_peer(p.addr.nic_addrs[k]);
     if (!np.ok()) return np.status();
     p.nic_peer[k] = *np;
+    if (p.traffic_class >= 0) PONTE_RETURN_IF_ERROR(nics_[k]->set_traffic_class(*np, static_cast<uint8_t>(p.traffic_class)));
   }
   p.nics_added = true;
   return Status::Ok();

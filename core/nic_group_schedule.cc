@@ -195,6 +195,7 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
     wr.rkey = rkey;
     wr.imm = op.imm;
     wr.has_imm = op.has_imm;
+    wr.inline_ok = !op.mr || op.mr->kind == MemKind::kHost;  // GPU memory never goes inline
     wr.ctx = ctx;
     return nics_[k]->post_write(wr);
   };
@@ -242,7 +243,7 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
     case Op::kSend: {
       int k = static_cast<int>(s.first_nic % static_cast<uint32_t>(pn));
       rc = nics_[k]->post_send(p.nic_peer[k], static_cast<const uint8_t*>(op.mr->addr) + op.offset, op.len,
-                               op.mr->nic_mrs[k].desc, p.remote_tag, ctx);
+                               op.mr->nic_mrs[k].desc, p.remote_tag, ctx, op.mr->kind == MemKind::kHost);
       break;
     }
     default:

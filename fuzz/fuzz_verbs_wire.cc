@@ -21,7 +21,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto c = ConnectBlob::decode(in);
   if (c.ok()) {
     FUZZ_CHECK(data[0] == ConnectBlob::kTag && data[1] == ConnectBlob::kVersion);
-    FUZZ_CHECK(c->qpn != 0 && c->qpn <= 0xffffff && c->psn <= 0xffffff);
+    FUZZ_CHECK(c->qp_count >= 1 && c->qp_count <= ConnectBlob::kMaxQps && c->psn <= 0xffffff);
+    for (size_t i = 0; i < ConnectBlob::kMaxQps; i++)
+      FUZZ_CHECK(i < c->qp_count ? c->qpn[i] != 0 && c->qpn[i] <= 0xffffff : c->qpn[i] == 0);
+    FUZZ_CHECK(c->has_traffic_class || c->traffic_class == 0);
     auto e = c->encode();
     FUZZ_CHECK(size == e.size() && std::equal(e.begin(), e.end(), data));
   }
@@ -38,7 +41,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto y = VerbsAddress::decode(xa);
   FUZZ_CHECK(y.ok() && *y == x);
   ConnectBlob b;
-  b.qpn = fdp.ConsumeIntegralInRange<uint32_t>(1, 0xffffff);
+  b.qp_count = fdp.ConsumeIntegralInRange<uint8_t>(1, ConnectBlob::kMaxQps);
+  for (size_t i = 0; i < b.qp_count; i++) b.qpn[i] = fdp.ConsumeIntegralInRange<uint32_t>(1, 0xffffff);
+  b.has_traffic_class = fdp.ConsumeBool();
+  b.traffic_class = b.has_traffic_class ? fdp.ConsumeIntegral<uint8_t>() : 0;
   b.psn = fdp.ConsumeIntegralInRange<uint32_t>(0, 0xffffff);
   b.lid = fdp.ConsumeIntegral<uint16_t>();
   b.mtu = fdp.ConsumeIntegralInRange<uint8_t>(1, 5);

@@ -58,15 +58,17 @@ Bytes verbs_address(verbs::LinkLayer ll) {
   return Bytes(e.begin(), e.end());
 }
 
-Bytes connect_blob() {
+Bytes connect_blob(uint8_t qps = 1, int traffic_class = -1) {
   verbs::ConnectBlob b;
-  b.qpn = 0x11a2;
+  b.qp_count = qps;
+  for (uint8_t i = 0; i < qps; i++) b.qpn[i] = 0x11a2 + 2u * i;
+  b.has_traffic_class = traffic_class >= 0;
+  b.traffic_class = traffic_class >= 0 ? static_cast<uint8_t>(traffic_class) : 0;
   b.psn = 0x5eed42;
   b.mtu = 5;
   b.link_layer = verbs::LinkLayer::kEthernet;
   for (int i = 0; i < 16; i++) b.gid[i] = static_cast<uint8_t>(i * 7);
-  auto e = b.encode();
-  return Bytes(e.begin(), e.end());
+  return b.encode();
 }
 
 // A group address as an engine builds it: nics NICs whose endpoint addresses are nic_addr.
@@ -155,6 +157,7 @@ Seeds all_seeds() {
   s["verbs_wire/seed-address-roce"] = verbs_address(verbs::LinkLayer::kEthernet);
   s["verbs_wire/seed-address-ib"] = verbs_address(verbs::LinkLayer::kInfiniBand);
   s["verbs_wire/seed-connect-blob"] = connect_blob();
+  s["verbs_wire/seed-connect-blob-4qps-tc"] = connect_blob(4, 106);
 
   for (bool bootstrap : {false, true}) {
     const Bytes addr = bootstrap ? group_address(BackendKind::kFabric, 1, Bytes(32, 0xfe))

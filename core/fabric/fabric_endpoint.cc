@@ -221,7 +221,7 @@ Status FabricNic::post_read(NicPeer peer, void* local, size_t len, void* desc, u
 }
 
 Status FabricNic::post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
-                            uint64_t ctx) {
+                            uint64_t ctx, bool /*inline_ok*/) {
   PONTE_FABRIC_PEER_OR_RETURN(dest, peer);
   Status st;
   OpContext* op = begin_tx(len, peer, ctx, &st);

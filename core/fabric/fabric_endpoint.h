@@ -57,7 +57,7 @@ class FabricNic final : public Nic {
   Status post_read(NicPeer peer, void* local, size_t len, void* desc, uint64_t remote_addr,
                    uint64_t rkey, uint64_t ctx) override;
   Status post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
-                   uint64_t ctx) override;
+                   uint64_t ctx, bool inline_ok) override;  // never inlines: inline_ok unused
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override;
   int poll(Completion* out, int max) override;
 

@@ -15,6 +15,7 @@
 #include <random>
 
 #include "core/config.h"
+#include "core/log.h"
 
 namespace ponte::verbs {
 
@@ -32,8 +33,11 @@ Result<std::unique_ptr<VerbsNic>> VerbsNic::open(const VerbsApi& api, const Verb
 
   // Queue sizes. The CQ must hold every completion that can be pending at once: one per send WR
   // in flight plus one per posted receive, so sends are capped at (CQ entries - SRQ entries).
+  // The SRQ holds exactly the engine's receive buffers (PONTE_RECV_COUNT), so the engine keeps it
+  // full: every write-with-immediate in flight toward this NIC consumes one of them until the
+  // worker's next poll gives it back, and a slot the engine cannot fill is depth an incast lacks.
   NicLimits& l = n->limits_;
-  l.srq_depth = std::clamp(static_cast<int>(cfg.recv_buf_count) * 2, 512, 8192);
+  l.srq_depth = std::clamp(static_cast<int>(cfg.recv_buf_count), 16, 65536);
   if (port.max_srq_wr > 0) l.srq_depth = std::min(l.srq_depth, port.max_srq_wr - 1);
   int want_sends = static_cast<int>(std::clamp<uint32_t>(cfg.max_inflight, 1024, 1u << 20));
   int want_cq = want_sends + l.srq_depth;
@@ -64,6 +68,8 @@ Result<std::unique_ptr<VerbsNic>> VerbsNic::open(const VerbsApi& api, const Verb
   q.service_level = clamp_u8(cfg.ib_service_level, 0, 15);
   q.timeout = clamp_u8(cfg.ib_timeout, 0, 31);
   q.retry_count = clamp_u8(cfg.ib_retry_count, 0, 7);
+  n->qps_per_connection_ = static_cast<uint32_t>(
+      std::clamp<int>(cfg.ib_qps_per_connection, 1, static_cast<int>(ConnectBlob::kMaxQps)));
 
   n->pending_.resize(l.nic_sends + 2 * static_cast<size_t>(l.srq_depth));
 
@@ -105,15 +111,38 @@ Result<NicPeer> VerbsNic::add_peer(std::span<const uint8_t> peer_address) {
 }
 
 void VerbsNic::retire(Peer& p) {
-  if (!p.qp) return;
-  p.qp->force_error();  // the provider flushes what is still queued; poll() reports it
-  if (p.qp->outstanding() > 0) p.retired.push_back(std::move(p.qp));
-  p.qp.reset();
+  for (auto& q : p.qps) {
+    q->force_error();  // the provider flushes what is still queued; poll() reports it
+    if (q->outstanding() > 0) p.retired.push_back(std::move(q));
+  }
+  p.qps.clear();
+  p.active = 0;
+  p.failed = false;
 }
 
 void VerbsNic::reap_retired(Peer& p) {
   std::erase_if(p.retired, [](const std::unique_ptr<VerbsQp>& q) { return q->outstanding() == 0; });
 }
+
+namespace {
+
+// The blob of a connection: what every one of its QPs shares, then their QPNs.
+ConnectBlob describe(const QpParams& params, uint32_t psn, const std::vector<std::unique_ptr<VerbsQp>>& qps,
+                     int traffic_class) {
+  ConnectBlob b;
+  b.psn = psn;
+  b.lid = params.lid;
+  b.mtu = params.active_mtu;
+  b.link_layer = params.link_layer;
+  memcpy(b.gid.data(), params.gid.raw, 16);
+  b.has_traffic_class = traffic_class >= 0;
+  b.traffic_class = traffic_class >= 0 ? static_cast<uint8_t>(traffic_class) : 0;
+  b.qp_count = static_cast<uint8_t>(qps.size());
+  for (size_t i = 0; i < qps.size(); ++i) b.qpn[i] = qps[i]->qpn();
+  return b;
+}
+
+}  // namespace
 
 Result<std::vector<uint8_t>> VerbsNic::connect_blob(NicPeer peer) {
   if (peer >= peers_.size() || peers_[peer]->removed) {
@@ -121,19 +150,29 @@ Result<std::vector<uint8_t>> VerbsNic::connect_blob(NicPeer peer) {
   }
   Peer& p = *peers_[peer];
   reap_retired(p);
-  // A QP waiting for its peer's blob, or one still connected, is described again unchanged (the
-  // engine may send its handshake on two sockets at once). A failed QP is replaced by a new one.
-  bool reuse = p.qp && (p.qp->state() == VerbsQp::State::kInit || p.qp->still_connected());
+  // A connection waiting for its peer's blob, or one still connected, is described again unchanged
+  // (the engine may send its handshake on two sockets at once). A failed one is replaced, all of
+  // its QPs: the peer rebuilds its side of every one of them in the same round.
+  bool reuse = !p.qps.empty() && !p.failed;
+  for (uint32_t i = 0; reuse && i < p.active; ++i) reuse = p.qps[i]->still_connected();
   if (!reuse) {
     retire(p);
     psn_seed_ ^= psn_seed_ << 13;
     psn_seed_ ^= psn_seed_ >> 17;
     psn_seed_ ^= psn_seed_ << 5;
-    PONTE_ASSIGN_OR_RETURN(p.qp, VerbsQp::create(api_, device_->pd(), cq_->cq(), srq_->srq(),
-                                                 qp_params_, p.next_generation++, psn_seed_));
+    p.gen_base = p.next_generation;
+    p.next_generation = static_cast<uint16_t>(p.next_generation + qps_per_connection_);
+    for (uint32_t i = 0; i < qps_per_connection_; ++i) {
+      auto q = VerbsQp::create(api_, device_->pd(), cq_->cq(), srq_->srq(), qp_params_,
+                               static_cast<uint16_t>(p.gen_base + i), psn_seed_);
+      if (!q.ok()) {
+        retire(p);
+        return q.status();
+      }
+      p.qps.push_back(std::move(q).value());
+    }
   }
-  auto bytes = p.qp->blob().encode();
-  return std::vector<uint8_t>(bytes.begin(), bytes.end());
+  return describe(qp_params_, p.qps[0]->psn(), p.qps, p.traffic_class).encode();
 }
 
 Status VerbsNic::complete_connect(NicPeer peer, std::span<const uint8_t> peer_blob) {
@@ -142,23 +181,37 @@ Status VerbsNic::complete_connect(NicPeer peer, std::span<const uint8_t> peer_bl
     return Status(Code::kInvalidArgument, "%s: complete_connect for unknown peer %u", info_.name.c_str(), peer);
   }
   Peer& p = *peers_[peer];
-  if (!p.qp) {
+  if (p.qps.empty()) {
     return Status(Code::kInvalidArgument, "%s: complete_connect(peer %u) before connect_blob",
                   info_.name.c_str(), peer);
   }
-  if (p.qp->state() == VerbsQp::State::kRts && b.encode() == p.qp->remote().encode()) {
-    return Status::Ok();  // the same handshake seen twice
-  }
-  if (p.qp->state() != VerbsQp::State::kInit) {
+  if (p.active > 0 && !p.failed && b == p.remote) return Status::Ok();  // the same handshake seen twice
+  if (p.active > 0 || p.failed) {
     return Status(Code::kInvalidArgument,
-                  "%s: peer %u's QP is already %s; call connect_blob to start a new connection",
-                  info_.name.c_str(), peer, p.qp->state() == VerbsQp::State::kRts ? "connected" : "failed");
+                  "%s: peer %u's connection is already %s; call connect_blob to start a new one",
+                  info_.name.c_str(), peer, p.failed ? "failed" : "connected");
   }
   if (b.link_layer != port_.link_layer) {
     return Status(Code::kInvalidArgument, "%s: peer %u's blob is for another link layer",
                   info_.name.c_str(), peer);
   }
-  return p.qp->connect(b);
+  // This side's own class for the peer, else the one the peer's side asked for (it opened the
+  // connection with a class of its own), else PONTE_IB_TC.
+  const uint8_t tc = p.traffic_class >= 0 ? static_cast<uint8_t>(p.traffic_class)
+                     : b.has_traffic_class ? b.traffic_class
+                                           : qp_params_.traffic_class;
+  const uint32_t n = std::min<uint32_t>(static_cast<uint32_t>(p.qps.size()), b.qp_count);
+  for (uint32_t i = 0; i < n; ++i) {
+    Status st = p.qps[i]->connect(b, i, tc);
+    if (!st.ok()) {
+      p.failed = true;
+      return st;
+    }
+  }
+  p.active = n;
+  p.next = 0;
+  p.remote = b;
+  return Status::Ok();
 }
 
 void VerbsNic::remove_peer(NicPeer peer) {
@@ -169,6 +222,40 @@ void VerbsNic::remove_peer(NicPeer peer) {
   p.removed = true;
 }
 
+Status VerbsNic::set_traffic_class(NicPeer peer, uint8_t traffic_class) {
+  if (peer >= peers_.size() || peers_[peer]->removed) {
+    return Status(Code::kInvalidArgument, "%s: set_traffic_class for unknown peer %u", info_.name.c_str(), peer);
+  }
+  Peer& p = *peers_[peer];
+  if (!p.qps.empty()) {
+    return Status(Code::kInvalidArgument, "%s: peer %u's traffic class is set before its connect_blob",
+                  info_.name.c_str(), peer);
+  }
+  p.traffic_class = traffic_class;
+  return Status::Ok();
+}
+
+uint32_t VerbsNic::connected_qps(NicPeer peer) const {
+  return peer < peers_.size() ? peers_[peer]->active : 0;
+}
+
+std::vector<uint32_t> VerbsNic::posts_per_qp(NicPeer peer) const {
+  std::vector<uint32_t> out;
+  if (peer >= peers_.size()) return out;
+  for (const auto& q : peers_[peer]->qps) out.push_back(q->tail());
+  return out;
+}
+
+Status VerbsNic::query_qp(NicPeer peer, size_t index, int attr_mask, ibv_qp_attr* attr) const {
+  if (peer >= peers_.size() || index >= peers_[peer]->qps.size()) {
+    return Status(Code::kInvalidArgument, "%s: no QP %zu toward peer %u", info_.name.c_str(), index, peer);
+  }
+  ibv_qp_init_attr init{};
+  int rc = api_.query_qp(peers_[peer]->qps[index]->qp(), attr, attr_mask, &init);
+  if (rc != 0) return Status(Code::kTransport, "ibv_query_qp failed: %s", strerror(rc));
+  return Status::Ok();
+}
+
 // --------------------------------------------------------------------------------------- memory
 
 Result<NicMr> VerbsNic::register_memory(const MemoryDesc& mem) { return memory_->register_memory(mem); }
@@ -177,25 +264,38 @@ void VerbsNic::deregister(const NicMr& mr) { memory_->deregister(mr); }
 
 // -------------------------------------------------------------------------------------- posting
 
-Status VerbsNic::sendable(NicPeer peer, size_t len, VerbsQp** qp) {
+Status VerbsNic::sendable(NicPeer peer, size_t len, bool spread, VerbsQp** qp) {
   if (peer >= peers_.size() || peers_[peer]->removed) {
     return Status(Code::kInvalidArgument, "%s: unknown peer %u", info_.name.c_str(), peer);
   }
-  VerbsQp* q = peers_[peer]->qp.get();
-  if (q == nullptr || q->state() == VerbsQp::State::kInit) {
-    return Status(Code::kAgain, "peer not connected yet");
+  Peer& p = *peers_[peer];
+  if (p.failed) {
+    ibv_wc_status why = IBV_WC_GENERAL_ERR;
+    for (const auto& q : p.qps)
+      if (q->state() == VerbsQp::State::kError) why = q->first_error();
+    return Status(Code::kTransport, "%s: connection to peer %u failed (%s); connect_blob rebuilds it",
+                  info_.name.c_str(), peer, api_.status_str(why));
   }
-  if (q->state() == VerbsQp::State::kError) {
-    return Status(Code::kTransport, "%s: QP to peer %u failed (%s); connect_blob rebuilds it",
-                  info_.name.c_str(), peer, api_.status_str(q->first_error()));
-  }
+  if (p.active == 0) return Status(Code::kAgain, "peer not connected yet");
   if (len > info_.max_msg_size) {
     return Status(Code::kInvalidArgument, "%s: %zu bytes exceed max_msg_size %zu",
                   info_.name.c_str(), len, info_.max_msg_size);
   }
-  if (q->full() || nic_sends_ >= limits_.nic_sends) return Status(Code::kAgain, "send queue full");
-  *qp = q;
-  return Status::Ok();
+  if (nic_sends_ >= limits_.nic_sends) return Status(Code::kAgain, "send queue full");
+  if (!spread) {
+    if (p.qps[0]->full()) return Status(Code::kAgain, "send queue full");
+    *qp = p.qps[0].get();
+    return Status::Ok();
+  }
+  for (uint32_t tries = 0; tries < p.active; ++tries) {
+    VerbsQp* q = p.qps[p.next].get();
+    p.next = p.next + 1 == p.active ? 0 : p.next + 1;
+    if (!q->full()) {
+      *qp = q;
+      return Status::Ok();
+    }
+  }
+  return Status(Code::kAgain, "send queues full");
 }
 
 Status VerbsNic::post(NicPeer peer, VerbsQp* qp, ibv_send_wr* wr, uint64_t ctx) {
@@ -245,7 +345,7 @@ Status check_rkey(uint64_t rkey) {
 
 Status VerbsNic::post_write(const WriteWr& w) {
   VerbsQp* qp = nullptr;
-  PONTE_RETURN_IF_ERROR(sendable(w.peer, w.len, &qp));
+  PONTE_RETURN_IF_ERROR(sendable(w.peer, w.len, true, &qp));
   PONTE_RETURN_IF_ERROR(check_rkey(w.rkey));
   ibv_sge sge{};
   ibv_send_wr wr{};
@@ -253,14 +353,15 @@ Status VerbsNic::post_write(const WriteWr& w) {
   if (w.has_imm) wr.imm_data = htonl(w.imm);
   wr.wr.rdma.remote_addr = w.remote_addr;
   wr.wr.rdma.rkey = static_cast<uint32_t>(w.rkey);
-  PONTE_RETURN_IF_ERROR(local_sge(w.local, w.len, w.desc, w.len <= qp->max_inline(), &wr, &sge));
+  // Inline only from host memory: the provider memcpy's the payload on this CPU.
+  PONTE_RETURN_IF_ERROR(local_sge(w.local, w.len, w.desc, w.inline_ok && w.len <= qp->max_inline(), &wr, &sge));
   return post(w.peer, qp, &wr, w.ctx);
 }
 
 Status VerbsNic::post_read(NicPeer peer, void* local, size_t len, void* desc, uint64_t remote_addr,
                            uint64_t rkey, uint64_t ctx) {
   VerbsQp* qp = nullptr;
-  PONTE_RETURN_IF_ERROR(sendable(peer, len, &qp));
+  PONTE_RETURN_IF_ERROR(sendable(peer, len, true, &qp));
   PONTE_RETURN_IF_ERROR(check_rkey(rkey));
   ibv_sge sge{};
   ibv_send_wr wr{};
@@ -272,14 +373,14 @@ Status VerbsNic::post_read(NicPeer peer, void* local, size_t len, void* desc, ui
 }
 
 Status VerbsNic::post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
-                           uint64_t ctx) {
+                           uint64_t ctx, bool inline_ok) {
   VerbsQp* qp = nullptr;
-  PONTE_RETURN_IF_ERROR(sendable(peer, len, &qp));
+  PONTE_RETURN_IF_ERROR(sendable(peer, len, false, &qp));  // sends stay in order on QP 0
   ibv_sge sge{};
   ibv_send_wr wr{};
   wr.opcode = IBV_WR_SEND_WITH_IMM;
   wr.imm_data = htonl(imm);
-  PONTE_RETURN_IF_ERROR(local_sge(buf, len, desc, len <= qp->max_inline(), &wr, &sge));
+  PONTE_RETURN_IF_ERROR(local_sge(buf, len, desc, inline_ok && len <= qp->max_inline(), &wr, &sge));
   return post(peer, qp, &wr, ctx);
 }
 
@@ -288,7 +389,19 @@ Status VerbsNic::post_recv(void* buf, size_t len, void* desc, uint64_t ctx) {
     return Status(Code::kInvalidArgument, "post_recv: no registration (desc) for %zu bytes", len);
   }
   uint32_t lkey = desc != nullptr ? static_cast<ibv_mr*>(desc)->lkey : 0;
-  return srq_->post(buf, len, lkey, ctx);
+  if (srq_->batch_full()) flush_receives();
+  return srq_->stage(buf, len, lkey, ctx);
+}
+
+void VerbsNic::flush_receives() {
+  int rc = srq_->flush([this](uint64_t ctx) {
+    Completion c;
+    c.ctx = ctx;
+    c.kind = CompletionKind::kRecv;
+    c.error = Code::kResource;  // the buffer returns to the engine as a failed receive
+    push_pending(c);
+  });
+  if (rc != 0) PONTE_LOG_WARN("%s: ibv_post_srq_recv failed: %s", info_.name.c_str(), strerror(rc));
 }
 
 // -------------------------------------------------------------------------------------- polling
@@ -296,7 +409,8 @@ Status VerbsNic::post_recv(void* buf, size_t len, void* desc, uint64_t ctx) {
 VerbsQp* VerbsNic::find_qp(uint32_t peer, uint16_t gen) {
   if (peer >= peers_.size()) return nullptr;
   Peer& p = *peers_[peer];
-  if (p.qp && p.qp->generation() == gen) return p.qp.get();
+  uint16_t i = static_cast<uint16_t>(gen - p.gen_base);
+  if (i < p.qps.size() && p.qps[i]->generation() == gen) return p.qps[i].get();
   for (auto& q : p.retired) {
     if (q->generation() == gen) return q.get();
   }
@@ -331,17 +445,15 @@ void VerbsNic::translate(const ibv_wc& wc, Completion* out, int max, int* n) {
       srq_->release(slot);
       emit(c);
     } else if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-      // A peer's write-with-imm consumed one of the engine's receives: give it straight back.
+      // A peer's write-with-imm consumed one of the engine's receives: it goes back with the
+      // others of this poll pass, in one post (flush_receives).
       Completion r;
       r.kind = CompletionKind::kRemoteWrite;
       r.imm = ntohl(wc.imm_data);
       r.len = wc.byte_len;
       emit(r);
-      if (srq_->repost(slot) != 0) {
-        c.len = 0;
-        c.error = Code::kResource;  // the buffer returns to the engine as a failed receive
-        emit(c);
-      }
+      if (srq_->batch_full()) flush_receives();
+      srq_->restage(slot);
     } else {
       c.imm = (wc.wc_flags & IBV_WC_WITH_IMM) != 0 ? ntohl(wc.imm_data) : 0;
       srq_->release(slot);
@@ -367,11 +479,17 @@ void VerbsNic::translate(const ibv_wc& wc, Completion* out, int max, int* n) {
   } else {
     c.error = Code::kTransport;
     qp->set_error(wc.status);
+    // One QP of the connection failed: the connection is rebuilt whole (a retired QP's errors
+    // are its flush, and concern a connection already replaced).
+    Peer& p = *peers_[wrid::peer(wc.wr_id)];
+    for (const auto& q : p.qps)
+      if (q.get() == qp) p.failed = true;
   }
   emit(c);
 }
 
 int VerbsNic::poll(Completion* out, int max) {
+  flush_receives();  // what the engine posted since the last pass
   int n = 0;
   while (n < max && pending_count_ > 0) {
     out[n++] = pending_[pending_head_];
@@ -383,6 +501,7 @@ int VerbsNic::poll(Completion* out, int max) {
   ibv_wc wc[kBatch];
   int got = ibv_poll_cq(cq_->cq(), std::min(max - n, kBatch), wc);
   for (int i = 0; i < got; ++i) translate(wc[i], out, max, &n);
+  flush_receives();  // the receives this pass's write-with-immediates consumed, in one post
   return n;
 }
 

@@ -63,27 +63,20 @@ VerbsQp::~VerbsQp() {
   if (qp_ != nullptr) api_.destroy_qp(qp_);
 }
 
-ConnectBlob VerbsQp::blob() const {
-  ConnectBlob b;
-  b.qpn = qp_->qp_num;
-  b.psn = psn_;
-  b.lid = params_.lid;
-  b.mtu = params_.active_mtu;
-  b.link_layer = params_.link_layer;
-  memcpy(b.gid.data(), params_.gid.raw, 16);
-  return b;
-}
-
-Status VerbsQp::connect(const ConnectBlob& remote) {
+Status VerbsQp::connect(const ConnectBlob& remote, size_t index, uint8_t traffic_class) {
   if (state_ != State::kInit) {
     return Status(Code::kInvalidArgument, "QP %u is not waiting for a peer blob", qp_->qp_num);
+  }
+  if (index >= remote.qp_count) {
+    return Status(Code::kInvalidArgument, "QP %u: the peer's blob has %u QPs, not %zu", qp_->qp_num,
+                  remote.qp_count, index + 1);
   }
   state_ = State::kError;  // until RTS succeeds
 
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_RTR;
   attr.path_mtu = static_cast<ibv_mtu>(remote.mtu < params_.active_mtu ? remote.mtu : params_.active_mtu);
-  attr.dest_qp_num = remote.qpn;
+  attr.dest_qp_num = remote.qpn[index];
   attr.rq_psn = remote.psn;
   attr.max_dest_rd_atomic = params_.max_rd_atomic;
   attr.min_rnr_timer = params_.min_rnr_timer;
@@ -99,7 +92,7 @@ Status VerbsQp::connect(const ConnectBlob& remote) {
     memcpy(attr.ah_attr.grh.dgid.raw, remote.gid.data(), 16);
     attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(params_.gid_index);
     attr.ah_attr.grh.hop_limit = 255;
-    attr.ah_attr.grh.traffic_class = params_.traffic_class;
+    attr.ah_attr.grh.traffic_class = traffic_class;
     attr.ah_attr.grh.flow_label = 0;
   }
   int rc = api_.modify_qp(qp_, &attr,
@@ -107,7 +100,7 @@ Status VerbsQp::connect(const ConnectBlob& remote) {
                               IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
   if (rc != 0) {
     return Status(Code::kTransport, "ibv_modify_qp(qpn %u -> %u, RTR) failed: %s", qp_->qp_num,
-                  remote.qpn, strerror(rc));
+                  remote.qpn[index], strerror(rc));
   }
 
   attr = ibv_qp_attr{};
@@ -125,7 +118,6 @@ Status VerbsQp::connect(const ConnectBlob& remote) {
                   strerror(rc));
   }
   state_ = State::kRts;
-  remote_ = remote;
   return Status::Ok();
 }
 

@@ -1,5 +1,6 @@
-// One RC queue pair toward one peer NIC: creation (INIT), the move to RTR/RTS with the peer's connect
-// blob, and the ring of outstanding send work requests whose completions the engine is owed.
+// One RC queue pair toward one peer NIC (a connection has 1..ConnectBlob::kMaxQps of them): creation
+// (INIT), the move to RTR/RTS with the peer's connect blob, and the ring of outstanding send work
+// requests whose completions the engine is owed.
 #pragma once
 
 #include <memory>
@@ -23,10 +24,19 @@ struct QpParams {
   uint8_t max_rd_atomic = 1; // outstanding RDMA reads, both directions
   uint8_t traffic_class = 0;
   uint8_t service_level = 0;
-  uint8_t timeout = 14;      // local ACK timeout, 4.096 us * 2^timeout
+  uint8_t timeout = 20;      // local ACK timeout, 4.096 us * 2^timeout (NCCL's default: 4.3 s)
   uint8_t retry_count = 7;
-  uint8_t rnr_retry = 7;     // 7 = retry forever on receiver-not-ready
-  uint8_t min_rnr_timer = 12;  // 0.64 ms
+  // Receiver not ready: a write-with-immediate or a send found the shared receive queue empty.
+  // NCCL uses 12 (0.64 ms) and retries forever; its receives are posted by the protocol ahead of
+  // every transfer, so an RNR there means a slow peer. Here the receives are the SRQ's whole depth,
+  // given back by the target's worker on every poll pass (at most ~50 us apart when idle), so an
+  // RNR is a burst outrunning one pass: 0.12 ms (7) lets the retry find the queue refilled, where
+  // 0.64 ms idles the QP five times longer, and still keeps a stalled target's retries to ~8000/s
+  // per QP. Retry forever (7), as NCCL: an RNR is back-pressure, not a failure; a finite count
+  // would turn a busy target into a broken QP and a reconnect that fails every operation in
+  // flight. A dead target is found by the engine's liveness checks and PONTE_TIMEOUT_MS instead.
+  uint8_t rnr_retry = 7;
+  uint8_t min_rnr_timer = 7;  // 0.12 ms
 };
 
 class VerbsQp {
@@ -41,18 +51,17 @@ class VerbsQp {
   VerbsQp(const VerbsQp&) = delete;
   VerbsQp& operator=(const VerbsQp&) = delete;
 
-  // What this side sends the peer.
-  ConnectBlob blob() const;
-  // INIT -> RTR -> RTS toward the peer's QP. On failure the QP is left in kError.
-  Status connect(const ConnectBlob& remote);
+  uint32_t qpn() const { return qp_->qp_num; }
+  uint32_t psn() const { return psn_; }  // the first sequence number this QP sends
+  // INIT -> RTR -> RTS toward QP `index` of the peer's blob, sending in traffic_class (RoCE: the
+  // GRH's class, which becomes the IP header's DSCP/ECN byte). On failure the QP is left in kError.
+  Status connect(const ConnectBlob& remote, size_t index, uint8_t traffic_class);
   // Moves the QP to ERR so that the provider flushes every outstanding WR as a completion.
   void force_error();
   // Asks the device whether a connected QP is still in RTS (a responder-side failure, such as a
   // peer writing with a bad rkey, moves it to ERR without any completion here). Marks it kError
   // when not.
   bool still_connected();
-  // The peer blob this QP was connected with (valid in kRts).
-  const ConnectBlob& remote() const { return remote_; }
 
   State state() const { return state_; }
   void set_error(ibv_wc_status status) {
@@ -82,7 +91,6 @@ class VerbsQp {
   uint32_t psn_ = 0;
   State state_ = State::kInit;
   ibv_wc_status first_error_ = IBV_WC_SUCCESS;
-  ConnectBlob remote_;
   uint32_t max_inline_ = 0;
   uint32_t depth_ = 0;
   uint32_t mask_ = 0;

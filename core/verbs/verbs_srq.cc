@@ -1,4 +1,4 @@
-// Shared receive queue with a fixed slot table.
+// Shared receive queue with a fixed slot table and batched posting.
 #include "core/verbs/verbs_srq.h"
 
 #include <cerrno>
@@ -31,25 +31,28 @@ VerbsSrq::~VerbsSrq() {
   if (srq_ != nullptr) api_.destroy_srq(srq_);
 }
 
-int VerbsSrq::post_slot(uint32_t slot) {
-  const Slot& s = slots_[slot];
-  ibv_sge sge{};
-  sge.addr = s.addr;
-  sge.length = s.len;
-  sge.lkey = s.lkey;
-  ibv_recv_wr wr{};
-  wr.wr_id = wrid::recv(slot);
-  wr.sg_list = s.len > 0 ? &sge : nullptr;
-  wr.num_sge = s.len > 0 ? 1 : 0;
-  ibv_recv_wr* bad = nullptr;
-  return ibv_post_srq_recv(srq_, &wr, &bad);
+ibv_recv_wr* VerbsSrq::chain() {
+  for (int i = 0; i < staged_count_; ++i) {
+    const Slot& s = slots_[staged_[static_cast<size_t>(i)]];
+    ibv_sge& sge = sges_[static_cast<size_t>(i)];
+    sge.addr = s.addr;
+    sge.length = s.len;
+    sge.lkey = s.lkey;
+    ibv_recv_wr& wr = wrs_[static_cast<size_t>(i)];
+    wr.wr_id = wrid::recv(staged_[static_cast<size_t>(i)]);
+    wr.sg_list = s.len > 0 ? &sge : nullptr;
+    wr.num_sge = s.len > 0 ? 1 : 0;
+    wr.next = i + 1 < staged_count_ ? &wrs_[static_cast<size_t>(i) + 1] : nullptr;
+  }
+  return staged_count_ > 0 ? &wrs_[0] : nullptr;
 }
 
-Status VerbsSrq::post(void* buf, size_t len, uint32_t lkey, uint64_t ctx) {
+Status VerbsSrq::stage(void* buf, size_t len, uint32_t lkey, uint64_t ctx) {
   if (len > UINT32_MAX) {
     return Status(Code::kInvalidArgument, "receive buffer of %zu bytes is too large", len);
   }
   if (free_count_ == 0) return Status(Code::kAgain, "shared receive queue full (%d)", depth());
+  if (batch_full()) return Status(Code::kAgain, "receive batch full: flush first");
   uint32_t slot = free_[--free_count_];
   Slot& s = slots_[slot];
   s.ctx = ctx;
@@ -57,19 +60,14 @@ Status VerbsSrq::post(void* buf, size_t len, uint32_t lkey, uint64_t ctx) {
   s.len = static_cast<uint32_t>(len);
   s.lkey = lkey;
   s.posted = true;
-  int rc = post_slot(slot);
-  if (rc != 0) {
-    release(slot);
-    return Status(rc == ENOMEM ? Code::kAgain : Code::kTransport, "ibv_post_srq_recv failed: %s",
-                  strerror(rc));
-  }
+  staged_[static_cast<size_t>(staged_count_++)] = slot;
   return Status::Ok();
 }
 
-int VerbsSrq::repost(uint32_t slot) {
-  int rc = post_slot(slot);
-  if (rc != 0) release(slot);
-  return rc;
+bool VerbsSrq::restage(uint32_t slot) {
+  if (batch_full()) return false;  // never overrun the batch
+  staged_[static_cast<size_t>(staged_count_++)] = slot;
+  return true;
 }
 
 void VerbsSrq::release(uint32_t slot) {

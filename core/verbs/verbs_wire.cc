@@ -20,9 +20,10 @@ uint32_t get32(const uint8_t* p) {
          (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
 }
 
-// Tag, version and length checks shared by both formats.
-Status check_header(std::span<const uint8_t> b, uint8_t tag, uint8_t version, size_t size,
-                    const char* what) {
+// Tag, version and length checks shared by both formats: the length field must equal the bytes
+// given, and lie in [min_size, max_size].
+Status check_header(std::span<const uint8_t> b, uint8_t tag, uint8_t version, size_t min_size,
+                    size_t max_size, const char* what) {
   if (b.size() < 4) {
     return Status(Code::kInvalidArgument, "verbs %s: %zu bytes, truncated", what, b.size());
   }
@@ -35,13 +36,13 @@ Status check_header(std::span<const uint8_t> b, uint8_t tag, uint8_t version, si
                   what, b[1], version);
   }
   size_t len = get16(b.data() + 2);
-  if (len != size) {
-    return Status(Code::kInvalidArgument, "verbs %s: length field %zu, expected %zu", what, len,
-                  size);
+  if (len < min_size || len > max_size) {
+    return Status(Code::kInvalidArgument, "verbs %s: length field %zu, expected %zu..%zu", what,
+                  len, min_size, max_size);
   }
-  if (b.size() != size) {
-    return Status(Code::kInvalidArgument, "verbs %s: %zu bytes given, expected %zu", what,
-                  b.size(), size);
+  if (b.size() != len) {
+    return Status(Code::kInvalidArgument, "verbs %s: %zu bytes given, length field says %zu", what,
+                  b.size(), len);
   }
   return Status::Ok();
 }
@@ -77,7 +78,7 @@ std::array<uint8_t, VerbsAddress::kSize> VerbsAddress::encode() const {
 }
 
 Result<VerbsAddress> VerbsAddress::decode(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kSize, "NIC address"));
+  PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kSize, kSize, "NIC address"));
   PONTE_RETURN_IF_ERROR(check_zero(b, 10, 12, "NIC address"));
   VerbsAddress a;
   if (!valid_link_layer(b[4])) {
@@ -94,37 +95,54 @@ Result<VerbsAddress> VerbsAddress::decode(std::span<const uint8_t> b) {
   return a;
 }
 
-std::array<uint8_t, ConnectBlob::kSize> ConnectBlob::encode() const {
-  std::array<uint8_t, kSize> b{};
+std::vector<uint8_t> ConnectBlob::encode() const {
+  std::vector<uint8_t> b(size(), 0);
   b[0] = kTag;
   b[1] = kVersion;
-  put16(&b[2], kSize);
-  put32(&b[4], qpn);
-  put32(&b[8], psn);
-  put16(&b[12], lid);
-  b[14] = mtu;
-  b[15] = static_cast<uint8_t>(link_layer);
+  put16(&b[2], static_cast<uint16_t>(b.size()));
+  put32(&b[4], psn);
+  put16(&b[8], lid);
+  b[10] = mtu;
+  b[11] = static_cast<uint8_t>(link_layer);
+  b[12] = qp_count;
+  b[13] = has_traffic_class ? kFlagTrafficClass : 0;
+  b[14] = has_traffic_class ? traffic_class : 0;
   memcpy(&b[16], gid.data(), 16);
+  for (size_t i = 0; i < qp_count && i < kMaxQps; ++i) put32(&b[kHeaderSize + 4 * i], qpn[i]);
   return b;
 }
 
 Result<ConnectBlob> ConnectBlob::decode(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kSize, "connect blob"));
-  PONTE_RETURN_IF_ERROR(check_zero(b, 32, kSize, "connect blob"));
+  PONTE_RETURN_IF_ERROR(check_header(b, kTag, kVersion, kHeaderSize + 4, kMaxSize, "connect blob"));
+  PONTE_RETURN_IF_ERROR(check_zero(b, 15, 16, "connect blob"));
   ConnectBlob c;
-  c.qpn = get32(&b[4]);
-  c.psn = get32(&b[8]);
-  if (c.qpn == 0 || c.qpn > 0xffffff) {
-    return Status(Code::kInvalidArgument, "verbs connect blob: bad QPN 0x%x", c.qpn);
+  c.qp_count = b[12];
+  if (c.qp_count == 0 || c.qp_count > kMaxQps || c.size() != b.size()) {
+    return Status(Code::kInvalidArgument, "verbs connect blob: %u QPs in %zu bytes", b[12], b.size());
   }
+  c.psn = get32(&b[4]);
   if (c.psn > 0xffffff) return Status(Code::kInvalidArgument, "verbs connect blob: bad PSN 0x%x", c.psn);
-  if (!valid_mtu(b[14])) return Status(Code::kInvalidArgument, "verbs connect blob: bad MTU %u", b[14]);
-  if (!valid_link_layer(b[15])) {
-    return Status(Code::kInvalidArgument, "verbs connect blob: bad link layer %u", b[15]);
+  if (!valid_mtu(b[10])) return Status(Code::kInvalidArgument, "verbs connect blob: bad MTU %u", b[10]);
+  if (!valid_link_layer(b[11])) {
+    return Status(Code::kInvalidArgument, "verbs connect blob: bad link layer %u", b[11]);
   }
-  c.lid = get16(&b[12]);
-  c.mtu = b[14];
-  c.link_layer = static_cast<LinkLayer>(b[15]);
+  if ((b[13] & ~kFlagTrafficClass) != 0) {
+    return Status(Code::kInvalidArgument, "verbs connect blob: unknown flags 0x%02x", b[13]);
+  }
+  c.has_traffic_class = (b[13] & kFlagTrafficClass) != 0;
+  if (!c.has_traffic_class && b[14] != 0) {
+    return Status(Code::kInvalidArgument, "verbs connect blob: a traffic class without its flag");
+  }
+  c.traffic_class = b[14];
+  for (size_t i = 0; i < c.qp_count; ++i) {
+    c.qpn[i] = get32(&b[kHeaderSize + 4 * i]);
+    if (c.qpn[i] == 0 || c.qpn[i] > 0xffffff) {
+      return Status(Code::kInvalidArgument, "verbs connect blob: bad QPN 0x%x (QP %zu)", c.qpn[i], i);
+    }
+  }
+  c.lid = get16(&b[8]);
+  c.mtu = b[10];
+  c.link_layer = static_cast<LinkLayer>(b[11]);
   memcpy(c.gid.data(), &b[16], 16);
   return c;
 }

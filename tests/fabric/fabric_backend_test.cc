@@ -269,10 +269,10 @@ TEST_P(FabricPair, SendRecvDeliversDataAndImmediate) {
   ASSERT_TRUE(b_->post_recv(in.at(65536), 65536, in.mr.desc, 0x2222).ok());
   fill(out.bytes, 0, 4096, 42);
   ASSERT_TRUE(post_retrying([&] {
-                return a_->post_send(a_to_b_, out.at(0), 4096, out.mr.desc, 0xC0FFEE, 1);
+                return a_->post_send(a_to_b_, out.at(0), 4096, out.mr.desc, 0xC0FFEE, 1, true);
               }).ok());
   ASSERT_TRUE(
-      post_retrying([&] { return a_->post_send(a_to_b_, nullptr, 0, nullptr, 0xBEEF, 2); }).ok());
+      post_retrying([&] { return a_->post_send(a_to_b_, nullptr, 0, nullptr, 0xBEEF, 2, true); }).ok());
   EXPECT_EQ(wait_local(1).error, Code::kOk);
   EXPECT_EQ(wait_local(2).error, Code::kOk);
   std::vector<Completion> recvs;
@@ -409,7 +409,7 @@ TEST_P(FabricPair, BadPeerAddressesAreInvalidArguments) {
   wr.peer = 999;
   wr.has_imm = true;
   EXPECT_EQ(a_->post_write(wr).code(), Code::kInvalidArgument);
-  EXPECT_EQ(a_->post_send(999, nullptr, 0, nullptr, 0, 0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(a_->post_send(999, nullptr, 0, nullptr, 0, 0, true).code(), Code::kInvalidArgument);
   EXPECT_EQ(a_->post_read(999, nullptr, 0, nullptr, 0, 0, 0).code(), Code::kInvalidArgument);
 }
 

@@ -2,6 +2,8 @@
 // (and rxe2), node B rxe1 (and rxe3), each pair joined by a veth. Both nodes live in this process and
 // one thread polls both. Outside the guest (no rxe devices) every test skips and says why.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -14,6 +16,7 @@
 #include "core/config.h"
 #include "core/nic.h"
 #include "core/verbs/verbs_nic.h"
+#include "core/verbs/verbs_srq.h"
 
 namespace ponte {
 namespace {
@@ -142,14 +145,32 @@ class RxeTest : public ::testing::Test {
     return n.ok() ? std::move(n).value() : nullptr;
   }
 
-  // Opens node A's and node B's NIC of rail r and connects them through blobs.
-  bool open_rail(size_t r) {
+  // Opens dev through a backend of its own built from cfg (another PONTE_IB_* setting than cfg_).
+  std::unique_ptr<Nic> open_with(const Config& cfg, const std::string& dev) {
+    auto b = open_verbs_backend(cfg);
+    EXPECT_TRUE(b.ok()) << b.status().message();
+    if (!b.ok()) return nullptr;
+    others_.push_back(std::move(b).value());
+    const auto& d = others_.back()->devices();
+    for (size_t i = 0; i < d.size(); ++i) {
+      if (d[i].name != dev + ":1") continue;
+      auto n = others_.back()->open_nic(i);
+      EXPECT_TRUE(n.ok()) << n.status().message();
+      return n.ok() ? std::move(n).value() : nullptr;
+    }
+    ADD_FAILURE() << dev << " not among the backend's devices";
+    return nullptr;
+  }
+
+  // Opens node A's and node B's NIC of rail r and connects them through blobs (B's NIC through
+  // b_cfg when given).
+  bool open_rail(size_t r, const Config* b_cfg = nullptr) {
     if (r >= devs_a_.size() || r >= devs_b_.size()) {
       ADD_FAILURE() << "rail " << r << " missing: PONTE_RXE_DEVS_A/B name too few devices";
       return false;
     }
     a_.push_back(open(devs_a_[r]));
-    b_.push_back(open(devs_b_[r]));
+    b_.push_back(b_cfg != nullptr ? open_with(*b_cfg, devs_b_[r]) : open(devs_b_[r]));
     if (!a_.back() || !b_.back()) return false;
     auto pa = a_[r]->add_peer(b_[r]->address());
     auto pb = b_[r]->add_peer(a_[r]->address());
@@ -182,6 +203,20 @@ class RxeTest : public ::testing::Test {
     }
   }
 
+  // A write of len host bytes from src+off to dst+dst_off over rail r (A to B).
+  WriteWr write_wr(size_t r, Buffer& src, size_t off, size_t len, Buffer& dst, size_t dst_off, uint64_t ctx) {
+    WriteWr w;
+    w.peer = peer_a_[r];
+    w.local = src.data() + off;
+    w.len = len;
+    w.desc = src.mr.desc;
+    w.remote_addr = dst.remote(dst_off);
+    w.rkey = dst.mr.rkey;
+    w.inline_ok = true;
+    w.ctx = ctx;
+    return w;
+  }
+
   // Posts, polling every NIC while the backend answers kAgain; fails the test on other errors.
   void post_retrying(Poller& poller, const std::function<Status()>& post, int* again = nullptr) {
     auto deadline = Clock::now() + std::chrono::seconds(20);
@@ -197,6 +232,7 @@ class RxeTest : public ::testing::Test {
 
   Config cfg_;
   std::unique_ptr<Backend> backend_;
+  std::vector<std::unique_ptr<Backend>> others_;
   std::vector<std::string> devs_a_, devs_b_;
   std::vector<std::unique_ptr<Nic>> a_, b_;
   std::vector<NicPeer> peer_a_, peer_b_;
@@ -383,15 +419,18 @@ TEST_F(RxeTest, SendRecvCarriesImmAndLength) {
   uint8_t small[64];
   for (size_t i = 0; i < sizes.size(); ++i) {
     fill_pattern(sbuf->data(), sizes[i], static_cast<uint32_t>(i));
-    // A small send goes inline from unregistered memory; larger ones need the registration.
+    // A small send from host memory goes inline, from unregistered memory too; larger ones, and
+    // any the caller does not allow inline (GPU memory), need the registration.
     const void* from = sbuf->data();
     void* desc = sbuf->mr.desc;
-    if (sizes[i] <= sizeof(small) && sizes[i] <= a->info().max_inline) {
+    if (sizes[i] > 0 && sizes[i] <= sizeof(small) && sizes[i] <= a->info().max_inline) {
       memcpy(small, sbuf->data(), sizes[i]);
       from = small;
       desc = nullptr;
+      EXPECT_EQ(a->post_send(peer_a_[0], from, sizes[i], desc, 0, 1, false).code(), Code::kInvalidArgument)
+          << "not inline: the registration is needed";
     }
-    post_retrying(poller, [&] { return a->post_send(peer_a_[0], from, sizes[i], desc, 0x5000 + i, 40 + i); });
+    post_retrying(poller, [&] { return a->post_send(peer_a_[0], from, sizes[i], desc, 0x5000 + i, 40 + i, true); });
     ASSERT_TRUE(poller.until([&] { return poller.count(1, CompletionKind::kRecv) > i; }));
     const Completion& c = poller.got[1].back();
     EXPECT_EQ(c.kind, CompletionKind::kRecv);
@@ -696,6 +735,317 @@ TEST_F(RxeTest, TwoNicsStripeOneWrite) {
   EXPECT_EQ(memcmp(dst->data(), src0->data(), size), 0);
   a_[1]->deregister(src1.value());
   b_[1]->deregister(dst1.value());
+}
+
+// ---------------------------------------------------------------------------- issue 10, item 4
+// A small write or send goes inline only from host memory: inline makes the provider memcpy the
+// payload on the CPU, which faults on GPU memory. Stand-in for GPU memory: host pages registered
+// as MemKind::kCuda (no CUDA here: the peer-memory path registers them as they are), then made
+// inaccessible to the CPU. rxe reads registered pages through the kernel, so a DMA-style read works
+// while any CPU copy faults.
+TEST_F(RxeTest, NoInlineFromMemoryTheCpuCannotRead) {
+  ASSERT_TRUE(open_rail(0));
+  Nic* a = a_[0].get();
+  Nic* b = b_[0].get();
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t len = 2 * page;
+  void* mem = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* src = static_cast<uint8_t*>(mem);
+  fill_pattern(src, len, 404);
+  std::vector<uint8_t> expected(src, src + len);
+  MemoryDesc d;
+  d.addr = src;
+  d.len = len;
+  d.kind = MemKind::kCuda;
+  d.cuda_device = 0;
+  auto mr = a->register_memory(d);
+  ASSERT_TRUE(mr.ok()) << mr.status().message();
+  ASSERT_EQ(mprotect(mem, len, PROT_NONE), 0);
+  auto dst = make_buffer(b, len, 0);
+  auto rbuf = make_buffer(b, 4 * 512, 0);
+  ASSERT_TRUE(dst && rbuf);
+  post_receives(b, rbuf.get(), 512, 4, 900);
+  const size_t max_inline = a->info().max_inline;
+  ASSERT_GT(max_inline, 0u);
+  const std::vector<size_t> sizes = {1, 8, 64, max_inline};
+  Poller poller({a, b});
+  size_t off = 0;
+  for (size_t i = 0; i < sizes.size(); ++i, off += 512) {
+    WriteWr w;
+    w.peer = peer_a_[0];
+    w.local = src + off;
+    w.len = sizes[i];
+    w.desc = mr->desc;
+    w.remote_addr = dst->remote(off);
+    w.rkey = dst->mr.rkey;
+    w.inline_ok = false;  // what the engine passes for MemKind::kCuda
+    w.ctx = i;
+    post_retrying(poller, [&] { return a->post_write(w); });
+  }
+  post_retrying(poller, [&] { return a->post_send(peer_a_[0], src + page, 48, mr->desc, 0x66, 99, false); });
+  ASSERT_TRUE(poller.until([&] {
+    return poller.got[0].size() >= sizes.size() + 1 && poller.count(1, CompletionKind::kRecv) >= 1;
+  }));
+  for (const Completion& c : poller.got[0]) EXPECT_EQ(c.error, Code::kOk) << "ctx " << c.ctx;
+  off = 0;
+  for (size_t i = 0; i < sizes.size(); ++i, off += 512) {
+    EXPECT_EQ(memcmp(dst->data() + off, expected.data() + off, sizes[i]), 0) << sizes[i] << " B";
+  }
+  const Completion& r = poller.got[1].back();
+  ASSERT_EQ(r.kind, CompletionKind::kRecv);
+  ASSERT_EQ(r.len, 48u);
+  ASSERT_GE(r.ctx, 900u);
+  EXPECT_EQ(memcmp(rbuf->data() + (r.ctx - 900) * 512, expected.data() + page, 48), 0);
+  ASSERT_EQ(mprotect(mem, len, PROT_READ | PROT_WRITE), 0);
+  a->deregister(mr.value());
+  munmap(mem, len);
+}
+
+// ---------------------------------------------------------------------------- issue 10, item 9
+// The receives a write-with-immediate consumes go back in one ibv_post_srq_recv per poll pass, not
+// one per receive, and the receive queue holds every receive the engine posts (no RNR while a
+// burst of up to that many is in flight and the target does not poll at all).
+TEST_F(RxeTest, ReceivesGoBackInOneDoorbellPerPass) {
+  ASSERT_TRUE(open_rail(0));
+  Nic* a = a_[0].get();
+  Nic* b = b_[0].get();
+  auto* vb = dynamic_cast<verbs::VerbsNic*>(b);
+  ASSERT_NE(vb, nullptr);
+  const int depth = vb->limits().srq_depth;
+  EXPECT_EQ(depth, static_cast<int>(cfg_.recv_buf_count)) << "the SRQ holds exactly the engine's receives";
+  EXPECT_GE(depth, 512) << "PONTE_RECV_COUNT's default";
+  const int n = 256;
+  auto rbuf = make_buffer(b, static_cast<size_t>(depth) * 16, 0);
+  auto src = make_buffer(a, 4096, 0);
+  auto dst = make_buffer(b, n * 16, 0);
+  ASSERT_TRUE(rbuf && src && dst);
+  fill_pattern(src->data(), 4096, 9);
+  const uint64_t bells0 = vb->receive_doorbells();
+  post_receives(b, rbuf.get(), 16, depth, 0);
+  Poller poller_b({b});
+  poller_b.poll_once();  // posts the last partial batch
+  EXPECT_EQ(vb->receives_posted(), depth);
+  EXPECT_LE(vb->receive_doorbells() - bells0, static_cast<uint64_t>(depth / verbs::VerbsSrq::kBatch + 1));
+  // A burst of write-with-immediates while B does not poll: each takes one of B's receives.
+  Poller poller_a({a});
+  for (int i = 0; i < n; ++i) {
+    WriteWr w = write_wr(0, *src, i * 16, 16, *dst, i * 16, static_cast<uint64_t>(i));
+    w.has_imm = true;
+    w.imm = 0x9000u + static_cast<uint32_t>(i);
+    post_retrying(poller_a, [&] { return a->post_write(w); });
+  }
+  ASSERT_TRUE(poller_a.until([&] { return poller_a.got[0].size() >= static_cast<size_t>(n); }, 30000))
+      << poller_a.got[0].size() << " of " << n << " writes acknowledged while the target did not poll: "
+      << "receives missing from its queue (RNR)";
+  for (const Completion& c : poller_a.got[0]) ASSERT_EQ(c.error, Code::kOk);
+  const uint64_t bells1 = vb->receive_doorbells();
+  int polls = 0;
+  ASSERT_TRUE(poller_b.until([&] {
+    ++polls;
+    return poller_b.count(0, CompletionKind::kRemoteWrite) >= static_cast<size_t>(n);
+  }));
+  // 32 completions at most per pass, their receives reposted together: 8 doorbells, not 256.
+  EXPECT_LE(vb->receive_doorbells() - bells1, static_cast<uint64_t>(n / 32 + 2))
+      << "over " << polls << " poll passes";
+  EXPECT_EQ(vb->receives_posted(), depth);
+  EXPECT_EQ(memcmp(dst->data(), src->data(), n * 16), 0);
+}
+
+// ---------------------------------------------------------------------------- issue 10, item 11
+// NCCL's IB defaults reach the QP, and a traffic class set for one peer is what its QPs send in,
+// on both ends: the side that did not ask takes the other's (the class travels in the blob).
+TEST_F(RxeTest, TrafficClassAndTimeoutReachTheQps) {
+  EXPECT_EQ(cfg_.ib_timeout, 20) << "NCCL_IB_TIMEOUT's default";
+  auto a = open(devs_a_[0]);
+  auto b = open(devs_b_[0]);
+  ASSERT_TRUE(a && b);
+  auto* va = dynamic_cast<verbs::VerbsNic*>(a.get());
+  auto* vb = dynamic_cast<verbs::VerbsNic*>(b.get());
+  // Two connections between the same NICs: one with a class of its own, one without.
+  auto pa = a->add_peer(b->address());
+  auto pb = b->add_peer(a->address());
+  auto pa2 = a->add_peer(b->address());
+  auto pb2 = b->add_peer(a->address());
+  ASSERT_TRUE(pa.ok() && pb.ok() && pa2.ok() && pb2.ok());
+  const uint8_t tc = 0x68;  // DSCP 26
+  ASSERT_TRUE(a->set_traffic_class(*pa, tc).ok());
+  auto blob_a = a->connect_blob(*pa);
+  auto blob_b = b->connect_blob(*pb);
+  ASSERT_TRUE(blob_a.ok() && blob_b.ok());
+  EXPECT_EQ(a->set_traffic_class(*pa, 1).code(), Code::kInvalidArgument) << "after connect_blob";
+  ASSERT_TRUE(a->complete_connect(*pa, *blob_b).ok());
+  ASSERT_TRUE(b->complete_connect(*pb, *blob_a).ok());
+  auto blob_a2 = a->connect_blob(*pa2);
+  auto blob_b2 = b->connect_blob(*pb2);
+  ASSERT_TRUE(blob_a2.ok() && blob_b2.ok());
+  ASSERT_TRUE(a->complete_connect(*pa2, *blob_b2).ok());
+  ASSERT_TRUE(b->complete_connect(*pb2, *blob_a2).ok());
+  const int mask = IBV_QP_AV | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MIN_RNR_TIMER;
+  struct Want {
+    verbs::VerbsNic* nic;
+    NicPeer peer;
+    uint8_t tc;
+  };
+  for (const Want& w : {Want{va, *pa, tc}, Want{vb, *pb, tc}, Want{va, *pa2, 0}, Want{vb, *pb2, 0}}) {
+    ibv_qp_attr attr{};
+    Status st = w.nic->query_qp(w.peer, 0, mask, &attr);
+    ASSERT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(attr.ah_attr.grh.traffic_class, w.tc) << w.nic->info().name << " peer " << w.peer;
+    EXPECT_EQ(attr.timeout, 20);
+    EXPECT_EQ(attr.retry_cnt, 7);
+    EXPECT_EQ(attr.rnr_retry, 7) << "RNR is back-pressure: retried forever";
+    EXPECT_EQ(attr.min_rnr_timer, 7) << "0.12 ms";
+  }
+}
+
+// Several RC QPs per connection (PONTE_IB_QPS_PER_CONNECTION): every QP carries a share of a write
+// stream, reads too; sends stay on QP 0; all of it verified byte for byte.
+class RxeQps : public RxeTest, public ::testing::WithParamInterface<int> {
+ protected:
+  void SetUp() override {
+    cfg_.ib_qps_per_connection = GetParam();
+    RxeTest::SetUp();
+  }
+};
+
+TEST_P(RxeQps, WriteStreamUsesEveryQp) {
+  const uint32_t qps = static_cast<uint32_t>(GetParam());
+  ASSERT_TRUE(open_rail(0));
+  Nic* a = a_[0].get();
+  Nic* b = b_[0].get();
+  auto* va = dynamic_cast<verbs::VerbsNic*>(a);
+  auto* vb = dynamic_cast<verbs::VerbsNic*>(b);
+  ASSERT_EQ(va->connected_qps(peer_a_[0]), qps);
+  ASSERT_EQ(vb->connected_qps(peer_b_[0]), qps);
+  const size_t n = 64, size = 64 << 10;
+  auto src = make_buffer(a, n * size, 0);
+  auto dst = make_buffer(b, n * size, 0);
+  auto rbuf = make_buffer(b, 64 * 256, 0);
+  ASSERT_TRUE(src && dst && rbuf);
+  post_receives(b, rbuf.get(), 256, 64, 0);
+  fill_pattern(src->data(), n * size, 77 + qps);
+  Poller poller({a, b});
+  for (size_t i = 0; i < n; ++i) {
+    // A few small (inline) ones among them.
+    WriteWr w = write_wr(0, *src, i * size, i % 8 == 7 ? 100 : size, *dst, i * size, i);
+    w.has_imm = i % 2 == 0;
+    w.imm = static_cast<uint32_t>(i);
+    post_retrying(poller, [&] { return a->post_write(w); });
+  }
+  const std::vector<uint32_t> after_writes = va->posts_per_qp(peer_a_[0]);
+  for (int i = 0; i < 4; ++i) {
+    post_retrying(poller, [&] { return a->post_send(peer_a_[0], src->data(), 200, src->mr.desc, 0x700 + i, 1000 + i, true); });
+  }
+  auto back = make_buffer(a, size, 0);
+  ASSERT_TRUE(back);
+  post_retrying(poller, [&] { return a->post_read(peer_a_[0], back->data(), size, back->mr.desc, dst->remote(0), dst->mr.rkey, 2000); });
+  ASSERT_TRUE(poller.until([&] {
+    return poller.got[0].size() >= n + 5 && poller.count(1, CompletionKind::kRemoteWrite) >= n / 2 &&
+           poller.count(1, CompletionKind::kRecv) >= 4;
+  }, 60000)) << poller.got[0].size() << " of " << n + 5;
+  for (const Completion& c : poller.got[0]) ASSERT_EQ(c.error, Code::kOk) << "ctx " << c.ctx;
+  ASSERT_EQ(after_writes.size(), qps);
+  for (uint32_t q = 0; q < qps; ++q) {
+    EXPECT_EQ(after_writes[q], n / qps) << "QP " << q << " of " << qps << ": round-robin, one write each in turn";
+  }
+  // The sends went on QP 0, in order; the read on whichever QP was next.
+  const std::vector<uint32_t> all = va->posts_per_qp(peer_a_[0]);
+  uint32_t more = 0;
+  for (uint32_t q = 0; q < qps; ++q) more += all[q] - after_writes[q];
+  EXPECT_EQ(more, 5u);
+  EXPECT_GE(all[0] - after_writes[0], 4u);
+  std::vector<uint32_t> imms;
+  for (const Completion& c : poller.got[1])
+    if (c.kind == CompletionKind::kRecv) imms.push_back(c.imm);
+  EXPECT_EQ(imms, (std::vector<uint32_t>{0x700, 0x701, 0x702, 0x703}));
+  for (size_t i = 0; i < n; ++i) {
+    size_t len = i % 8 == 7 ? 100 : size;
+    ASSERT_EQ(memcmp(dst->data() + i * size, src->data() + i * size, len), 0) << "write " << i;
+  }
+  EXPECT_EQ(memcmp(back->data(), src->data(), size), 0);
+}
+
+// A write with a bad key breaks one QP of the connection (both ends' QP goes to ERR); the whole
+// connection is refused until a new handshake, which rebuilds all of its QPs, and then every QP
+// carries data again.
+TEST_P(RxeQps, BadKeyRebuildsEveryQp) {
+  const uint32_t qps = static_cast<uint32_t>(GetParam());
+  ASSERT_TRUE(open_rail(0));
+  Nic* a = a_[0].get();
+  Nic* b = b_[0].get();
+  auto* va = dynamic_cast<verbs::VerbsNic*>(a);
+  auto src = make_buffer(a, 64 << 10, 0);
+  auto dst = make_buffer(b, 64 << 10, 0);
+  auto rbuf = make_buffer(b, 64 * 16, 0);
+  ASSERT_TRUE(src && dst && rbuf);
+  post_receives(b, rbuf.get(), 16, 64, 0);
+  fill_pattern(src->data(), 64 << 10, 55);
+  Poller poller({a, b});
+  const size_t n = 4 * qps;
+  for (size_t i = 0; i < n; ++i) {
+    WriteWr w = write_wr(0, *src, i * 1024, 1024, *dst, i * 1024, i);
+    if (i == 0) w.rkey ^= 0x5a5a00;  // the first one's key is wrong
+    post_retrying(poller, [&] { return a->post_write(w); });
+  }
+  ASSERT_TRUE(poller.until([&] { return poller.got[0].size() >= n; })) << poller.got[0].size() << " of " << n;
+  size_t failed = 0;
+  for (const Completion& c : poller.got[0]) failed += c.error != Code::kOk;
+  EXPECT_GE(failed, 1u) << "the bad key's write";
+  WriteWr w = write_wr(0, *src, 0, 4096, *dst, 0, 500);
+  w.has_imm = true;
+  EXPECT_EQ(a->post_write(w).code(), Code::kTransport) << "the connection is refused as a whole";
+  ASSERT_TRUE(handshake(0));
+  ASSERT_EQ(va->connected_qps(peer_a_[0]), qps);
+  poller.got[0].clear();
+  poller.got[1].clear();
+  memset(dst->data(), 0, 64 << 10);
+  for (size_t i = 0; i < n; ++i) {
+    w.local = src->data() + i * 4096;
+    w.remote_addr = dst->remote(i * 4096);
+    w.len = 4096;
+    w.imm = static_cast<uint32_t>(i);
+    w.ctx = 600 + i;
+    post_retrying(poller, [&] { return a->post_write(w); });
+  }
+  ASSERT_TRUE(poller.until([&] {
+    return poller.got[0].size() >= n && poller.count(1, CompletionKind::kRemoteWrite) >= n;
+  }));
+  for (const Completion& c : poller.got[0]) EXPECT_EQ(c.error, Code::kOk);
+  for (uint32_t posts : va->posts_per_qp(peer_a_[0])) EXPECT_EQ(posts, n / qps) << "every new QP carried data";
+  EXPECT_EQ(memcmp(dst->data(), src->data(), n * 4096), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(QpsPerConnection, RxeQps, ::testing::Values(1, 2, 4),
+                         [](const auto& info) { return std::to_string(info.param) + "qps"; });
+
+// Both ends of a connection use the smaller of their QP counts (PONTE_IB_QPS_PER_CONNECTION may
+// differ between processes).
+TEST_F(RxeTest, UnequalQpCountsUseTheSmaller) {
+  cfg_.ib_qps_per_connection = 4;
+  backend_ = std::move(open_verbs_backend(cfg_)).value();
+  Config b_cfg = cfg_;
+  b_cfg.ib_qps_per_connection = 2;
+  ASSERT_TRUE(open_rail(0, &b_cfg));
+  auto* va = dynamic_cast<verbs::VerbsNic*>(a_[0].get());
+  auto* vb = dynamic_cast<verbs::VerbsNic*>(b_[0].get());
+  EXPECT_EQ(va->qps_per_connection(), 4u);
+  EXPECT_EQ(vb->qps_per_connection(), 2u);
+  EXPECT_EQ(va->connected_qps(peer_a_[0]), 2u);
+  EXPECT_EQ(vb->connected_qps(peer_b_[0]), 2u);
+  auto src = make_buffer(a_[0].get(), 8 * 4096, 0);
+  auto dst = make_buffer(b_[0].get(), 8 * 4096, 0);
+  ASSERT_TRUE(src && dst);
+  fill_pattern(src->data(), 8 * 4096, 3);
+  Poller poller({a_[0].get(), b_[0].get()});
+  for (size_t i = 0; i < 8; ++i) {
+    WriteWr w = write_wr(0, *src, i * 4096, 4096, *dst, i * 4096, i);
+    post_retrying(poller, [&] { return a_[0]->post_write(w); });
+  }
+  ASSERT_TRUE(poller.until([&] { return poller.got[0].size() >= 8; }));
+  for (const Completion& c : poller.got[0]) EXPECT_EQ(c.error, Code::kOk);
+  EXPECT_EQ(va->posts_per_qp(peer_a_[0]), (std::vector<uint32_t>{4, 4, 0, 0}));
+  EXPECT_EQ(memcmp(dst->data(), src->data(), 8 * 4096), 0);
 }
 
 }  // namespace

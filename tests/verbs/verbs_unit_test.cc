@@ -111,9 +111,10 @@ VerbsAddress sample_address() {
   return a;
 }
 
-ConnectBlob sample_blob() {
+ConnectBlob sample_blob(uint8_t qps = 1) {
   ConnectBlob b;
-  b.qpn = 0xabcdef;
+  b.qp_count = qps;
+  for (uint8_t i = 0; i < qps; ++i) b.qpn[i] = 0xabcdef - i;
   b.psn = 0x123456;
   b.lid = 7;
   b.mtu = 3;
@@ -139,17 +140,28 @@ TEST(VerbsWire, AddressRoundTrip) {
 }
 
 TEST(VerbsWire, BlobRoundTrip) {
-  ConnectBlob b = sample_blob();
-  auto bytes = b.encode();
-  ASSERT_EQ(bytes.size(), ConnectBlob::kSize);
-  auto d = ConnectBlob::decode(bytes);
-  ASSERT_TRUE(d.ok()) << d.status().message();
-  EXPECT_EQ(d->qpn, b.qpn);
-  EXPECT_EQ(d->psn, b.psn);
-  EXPECT_EQ(d->lid, b.lid);
-  EXPECT_EQ(d->mtu, b.mtu);
-  EXPECT_EQ(d->link_layer, b.link_layer);
-  EXPECT_EQ(d->gid, b.gid);
+  for (uint8_t qps : {uint8_t{1}, uint8_t{2}, uint8_t{4}, static_cast<uint8_t>(ConnectBlob::kMaxQps)}) {
+    for (bool tc : {false, true}) {
+      ConnectBlob b = sample_blob(qps);
+      b.has_traffic_class = tc;
+      b.traffic_class = tc ? 106 : 0;
+      auto bytes = b.encode();
+      ASSERT_EQ(bytes.size(), ConnectBlob::kHeaderSize + 4u * qps);
+      EXPECT_EQ(bytes[1], 2) << "the multi-QP blob is version 2";
+      auto d = ConnectBlob::decode(bytes);
+      ASSERT_TRUE(d.ok()) << d.status().message();
+      EXPECT_EQ(d->qp_count, qps);
+      for (uint8_t i = 0; i < qps; ++i) EXPECT_EQ(d->qpn[i], b.qpn[i]);
+      EXPECT_EQ(d->psn, b.psn);
+      EXPECT_EQ(d->lid, b.lid);
+      EXPECT_EQ(d->mtu, b.mtu);
+      EXPECT_EQ(d->link_layer, b.link_layer);
+      EXPECT_EQ(d->gid, b.gid);
+      EXPECT_EQ(d->has_traffic_class, tc);
+      EXPECT_EQ(d->traffic_class, tc ? 106 : 0);
+      EXPECT_EQ(*d, b);
+    }
+  }
 }
 
 template <typename T>
@@ -189,7 +201,7 @@ TEST(VerbsWire, AddressRejectsBadBytes) {
 }
 
 TEST(VerbsWire, BlobRejectsBadBytes) {
-  auto good = sample_blob().encode();
+  auto good = sample_blob(3).encode();
   std::vector<uint8_t> v(good.begin(), good.end());
   for (size_t n = 0; n < v.size(); ++n) {
     expect_rejected<ConnectBlob>(std::vector<uint8_t>(v.begin(), v.begin() + n), "truncated");
@@ -206,15 +218,30 @@ TEST(VerbsWire, BlobRejectsBadBytes) {
   };
   expect_rejected<ConnectBlob>(with(0, VerbsAddress::kTag), "an address is not a blob");
   expect_rejected<ConnectBlob>(with(1, 0), "version 0");
+  expect_rejected<ConnectBlob>(with(1, 1), "version 1 (one QP, no count)");
   expect_rejected<ConnectBlob>(with(2, 0), "length field");
-  expect_rejected<ConnectBlob>(with32(4, 0), "qpn 0");
-  expect_rejected<ConnectBlob>(with32(4, 0x1000000), "qpn > 24 bits");
-  expect_rejected<ConnectBlob>(with32(8, 0x1000000), "psn > 24 bits");
-  expect_rejected<ConnectBlob>(with(14, 0), "mtu 0");
-  expect_rejected<ConnectBlob>(with(15, 3), "link layer 3");
+  expect_rejected<ConnectBlob>(with(2, static_cast<uint8_t>(v.size() + 4)), "length field beyond the bytes");
+  expect_rejected<ConnectBlob>(with32(4, 0x1000000), "psn > 24 bits");
+  expect_rejected<ConnectBlob>(with(10, 0), "mtu 0");
+  expect_rejected<ConnectBlob>(with(11, 3), "link layer 3");
+  expect_rejected<ConnectBlob>(with(12, 0), "0 QPs");
+  expect_rejected<ConnectBlob>(with(12, 2), "QP count and length disagree");
+  expect_rejected<ConnectBlob>(with(12, 4), "QP count beyond the bytes");
+  expect_rejected<ConnectBlob>(with(13, 2), "unknown flag");
+  expect_rejected<ConnectBlob>(with(14, 5), "a traffic class without its flag");
+  expect_rejected<ConnectBlob>(with(15, 1), "padding");
+  expect_rejected<ConnectBlob>(with32(32, 0), "qpn 0");
+  expect_rejected<ConnectBlob>(with32(40, 0x1000000), "the last QPN > 24 bits");
   auto longer = v;
   longer.push_back(1);
   expect_rejected<ConnectBlob>(longer, "trailing byte");
+  // More QPs than the format allows: a valid-looking blob of kMaxQps + 1 QPNs.
+  ConnectBlob most = sample_blob(static_cast<uint8_t>(ConnectBlob::kMaxQps));
+  auto bytes = most.encode();
+  bytes[12] = ConnectBlob::kMaxQps + 1;
+  bytes.insert(bytes.end(), {1, 0, 0, 0});
+  bytes[2] = static_cast<uint8_t>(bytes.size());
+  expect_rejected<ConnectBlob>(bytes, "too many QPs");
 }
 
 // ------------------------------------------------------------------------------ port helpers
@@ -373,6 +400,31 @@ TEST(VerbsBackend, BadHcaFilterIsInvalidArgument) {
   auto b = open_verbs_backend(cfg);
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), Code::kInvalidArgument) << b.status().message();
+}
+
+// ------------------------------------------------------------------------------ knobs (issue 10)
+
+// NCCL's IB defaults, and the knobs of the receive queue and of the QPs per connection.
+TEST(VerbsConfig, DefaultsAndQpsPerConnection) {
+  for (const char* v : {"PONTE_IB_TIMEOUT", "PONTE_IB_QPS_PER_CONNECTION", "PONTE_RECV_COUNT"}) unsetenv(v);
+  auto c = Config::from_env();
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->ib_timeout, 20) << "NCCL_IB_TIMEOUT's default";
+  EXPECT_EQ(c->ib_retry_count, 7);
+  EXPECT_EQ(c->ib_qps_per_connection, 1) << "NCCL_IB_QPS_PER_CONNECTION's default";
+  EXPECT_GE(c->recv_buf_count, 512u) << "the receive queue's depth: an incast's write-with-immediates";
+  setenv("PONTE_IB_QPS_PER_CONNECTION", "4", 1);
+  c = Config::from_env();
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->ib_qps_per_connection, 4);
+  for (const char* bad : {"0", "17", "-1", "two"}) {
+    setenv("PONTE_IB_QPS_PER_CONNECTION", bad, 1);
+    auto b = Config::from_env();
+    ASSERT_FALSE(b.ok()) << bad;
+    EXPECT_NE(strstr(b.status().message(), "PONTE_IB_QPS_PER_CONNECTION"), nullptr) << b.status().message();
+  }
+  unsetenv("PONTE_IB_QPS_PER_CONNECTION");
+  static_assert(ConnectBlob::kMaxQps == 16, "PONTE_IB_QPS_PER_CONNECTION's range is 1..16");
 }
 
 }  // namespace
