@@ -108,12 +108,18 @@ NcclResult p_props_v8(int dev, PropertiesV8* out) {
 NcclResult p_listen(int dev, void* handle, void** listen_comm) {
   return guarded("listen", [&] { return listen(dev, handle, listen_comm); });
 }
-NcclResult p_connect(int dev, void* handle, void** send_comm, DeviceHandle** dev_comm) {
+// traffic_class: NCCL's per-communicator class (v10's connect config, v11's init config), or
+// kTrafficClassUndef for PONTE_IB_TC.
+NcclResult connect_in_class(int dev, void* handle, void** send_comm, DeviceHandle** dev_comm,
+                            int traffic_class) {
   return guarded("connect", [&] {
     // No device offload: NCCL reads a NULL device handle as "host progress only".
     if (dev_comm) *dev_comm = nullptr;
-    return connect(dev, handle, send_comm);
+    return connect(dev, handle, send_comm, traffic_class);
   });
+}
+NcclResult p_connect(int dev, void* handle, void** send_comm, DeviceHandle** dev_comm) {
+  return connect_in_class(dev, handle, send_comm, dev_comm, kTrafficClassUndef);
 }
 NcclResult p_accept(void* listen_comm, void** recv_comm, DeviceHandle** dev_comm) {
   return guarded("accept", [&] {
@@ -203,9 +209,11 @@ NcclResult v11_finalize(void* ctx) {
 NcclResult v11_listen(void* /*ctx*/, int dev, void* handle, void** listen_comm) {
   return p_listen(dev, handle, listen_comm);
 }
-NcclResult v11_connect(void* /*ctx*/, int dev, void* handle, void** send_comm,
+NcclResult v11_connect(void* ctx, int dev, void* handle, void** send_comm,
                    DeviceHandle** dev_comm) {
-  return p_connect(dev, handle, send_comm, dev_comm);
+  auto* c = static_cast<Context*>(ctx);
+  const int tc = c && c->magic == kMagicContext ? c->traffic_class : kTrafficClassUndef;
+  return connect_in_class(dev, handle, send_comm, dev_comm, tc);
 }
 NcclResult v11_set_net_attr(void* /*ctx*/, NetAttr* /*attr*/) { return kSuccess; }
 
@@ -217,9 +225,10 @@ NcclResult v10_init(Logger logger, ProfilerCallback /*profiler*/) {
 NcclResult v9_init(Logger logger) {
   return guarded("init", [&] { return acquire(logger); });
 }
-NcclResult v10_connect(int dev, CommConfig* /*config*/, void* handle, void** send_comm,
+NcclResult v10_connect(int dev, CommConfig* config, void* handle, void** send_comm,
                    DeviceHandle** dev_comm) {
-  return p_connect(dev, handle, send_comm, dev_comm);
+  return connect_in_class(dev, handle, send_comm, dev_comm,
+                          config ? config->traffic_class : kTrafficClassUndef);
 }
 NcclResult v8_isend(void* comm, void* data, int size, int tag, void* mhandle, void** request) {
   if (size < 0) {

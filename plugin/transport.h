@@ -43,7 +43,9 @@ Status make_vdevice(int* dev, const nccl_abi::VDeviceProps* props);
 
 // Connection setup; none of these blocks: a NULL comm means "call again".
 Status listen(int dev, void* handle, void** listen_comm);
-Status connect(int dev, void* handle, void** send_comm);
+// traffic_class: the connection's (NCCL's per-communicator class; -1: PONTE_IB_TC). Comms of one
+// class share an engine peer (its verbs QPs send in that class); the accepting end follows.
+Status connect(int dev, void* handle, void** send_comm, int traffic_class = -1);
 Status accept(void* listen_comm, void** recv_comm);
 Status close_listen(void* listen_comm);
 Status close_send(void* send_comm);

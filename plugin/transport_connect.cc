@@ -111,12 +111,16 @@ Status register_own(Device* d, CommBase* c, HostBuffer& buf) {
   return Status::Ok();
 }
 
-// The engine peer for a remote group address: one per remote group, shared by every comm.
-Result<PeerId> peer_for(Device* d, std::span<const uint8_t> address) {
+// The engine peer for a remote group address and traffic class: one per remote group and class,
+// shared by every comm of that class.
+Result<PeerId> peer_for(Device* d, std::span<const uint8_t> address, int traffic_class = -1) {
   std::string key(reinterpret_cast<const char*>(address.data()), address.size());
+  if (traffic_class >= 0) key += "/tc" + std::to_string(traffic_class);
   auto it = d->peers.find(key);
   if (it != d->peers.end() && !d->engine->peer_dead(d->group, it->second)) return it->second;
-  auto peer = d->engine->connect(d->group, address);
+  ConnectOptions options;
+  options.traffic_class = traffic_class;
+  auto peer = d->engine->connect(d->group, address, options);
   if (!peer.ok()) return peer.status();
   d->peers[key] = peer.value();
   return peer.value();
@@ -353,7 +357,9 @@ Status listen(int dev, void* handle, void** listen_comm) {
   return Status::Ok();
 }
 
-Status connect(int dev, void* handle, void** send_comm) {
+Status connect(int dev, void* handle, void** send_comm, int traffic_class) {
+  if (traffic_class < -1 || traffic_class > 255)
+    return Status(Code::kInvalidArgument, "connect: traffic class %d is not 0..255", traffic_class);
   if (!handle || !send_comm) return bad("connect: NULL argument");
   *send_comm = nullptr;
   auto* hb = static_cast<uint8_t*>(handle);
@@ -366,7 +372,7 @@ Status connect(int dev, void* handle, void** send_comm) {
 
   if (token == 0) {  // first call with this handle: start connecting
     PONTE_ASSIGN_OR_RETURN(ListenHandle h, decode_handle(hb));
-    PONTE_ASSIGN_OR_RETURN(PeerId peer, peer_for(d, h.address));
+    PONTE_ASSIGN_OR_RETURN(PeerId peer, peer_for(d, h.address, traffic_class));
     PONTE_ASSIGN_OR_RETURN(uint32_t id, alloc_comm_id(d));
     auto* c = new SendComm;
     c->magic = kMagicSend;

@@ -122,7 +122,8 @@ struct Handle {
 // A v11 context (one "communicator").
 class Net {
  public:
-  explicit Net(NetV11* t = lib().v11) : t_(t) {
+  explicit Net(NetV11* t = lib().v11, int traffic_class = kTrafficClassUndef) : t_(t) {
+    config_.traffic_class = traffic_class;
     init_result = t_->init(&ctx_, 0x1234, &config_, &test_logger, nullptr);
   }
   ~Net() { t_->finalize(ctx_); }

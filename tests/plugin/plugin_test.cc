@@ -684,6 +684,46 @@ TEST_F(PluginTest, FourNicDeviceConnectsThroughABootstrapGroup) {
   close_pair(net(), &p);
 }
 
+// NCCL v11 hands each communicator a traffic class at init (v10: at connect). Comms of two classes
+// get engine peers of their own (on verbs, QPs sending in that class: the SoftRoCE run reads the
+// TOS byte, tests/verbs); both move data, and a class outside 0..255 is refused at connect.
+TEST(PluginTrafficClass, EachCommunicatorsClassReachesItsConnections) {
+  ASSERT_NE(lib().v11, nullptr) << lib().error;
+  Net plain;
+  Net marked(lib().v11, 106);  // DSCP 26 (AF31), ECN 2
+  ASSERT_OK(plain.init_result);
+  ASSERT_OK(marked.init_result);
+  for (Net* n : {&plain, &marked}) {
+    Pair p;
+    ASSERT_OK(connect_pair(*n, 0, 0, &p));
+    Buffer src(*n, p.send, 5000), dst(*n, p.recv, 5000);
+    fill(src.data(), 5000, 9);
+    void* data[1] = {dst.data()};
+    size_t sizes[1] = {5000};
+    int tags[1] = {0};
+    void* mhs[1] = {dst.mh()};
+    void* rreq = nullptr;
+    void* sreq = nullptr;
+    ASSERT_OK(post_recv(*n, p.recv, 1, data, sizes, tags, mhs, &rreq));
+    ASSERT_OK(post_send(*n, p.send, src.data(), 5000, 0, src.mh(), &sreq));
+    int s = 0, r[8] = {0};
+    ASSERT_OK(wait_request(*n, sreq, &s));
+    ASSERT_OK(wait_request(*n, rreq, r));
+    EXPECT_EQ(mismatch(dst.data(), 5000, 9), SIZE_MAX);
+    close_pair(*n, &p);
+  }
+  Net bad(lib().v11, 300);
+  ASSERT_OK(bad.init_result);
+  Handle h;
+  void* listen = nullptr;
+  ASSERT_OK(bad->listen(bad.ctx(), 0, h.bytes, &listen));
+  void* send = nullptr;
+  DeviceHandle* dh = nullptr;
+  EXPECT_EQ(bad->connect(bad.ctx(), 0, h.bytes, &send, &dh), kInvalidArgument);
+  EXPECT_EQ(send, nullptr);
+  EXPECT_OK(bad->close_listen(listen));
+}
+
 TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
   ASSERT_NE(lib().v11, nullptr) << lib().error;
   NetV11* t = lib().v11;
