@@ -769,7 +769,10 @@ void print_engine(const Opts& o, const std::vector<EngineRow>& rows) {
                 fi ? std::to_string(r.dead.fi[av] - r.before.fi[av]).c_str() : "-", r.dead.heap_kib - r.before.heap_kib);
     for (const auto& [why, who] : r.failures) {
       std::string list;
-      for (size_t k = 0; k < who.size() && k < 12; ++k) list += (k ? "," : "") + std::to_string(who[k]);
+      for (size_t k = 0; k < who.size() && k < 12; ++k) {
+        if (k) list += ',';
+        list += std::to_string(who[k]);
+      }
       std::printf("      %zu of %d peers failed: %s [%s%s]\n", who.size(), r.peers, why.c_str(), list.c_str(),
                   who.size() > 12 ? ",..." : "");
     }

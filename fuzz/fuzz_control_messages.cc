@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto addr = GroupAddress::decode(hello->address);
     for (const auto& blob : hello->blobs) {
       auto cb = verbs::ConnectBlob::decode(blob);
-      if (cb.ok()) FUZZ_CHECK(blob.size() == verbs::ConnectBlob::kSize);
+      if (cb.ok()) FUZZ_CHECK(blob.size() == cb->size());
     }
     (void)addr;
   }

@@ -31,6 +31,15 @@ namespace {
 
 constexpr size_t kLen = 8u << 20;
 
+// Page-aligned memory for a peer's registrations, declared before its engine so it outlives it.
+struct PageBuffer {
+  explicit PageBuffer(size_t len) : p(static_cast<uint8_t*>(aligned_alloc(4096, len))) {}
+  ~PageBuffer() { free(p); }
+  PageBuffer(const PageBuffer&) = delete;
+  PageBuffer& operator=(const PageBuffer&) = delete;
+  uint8_t* p;
+};
+
 bool verbs() {
   const char* b = getenv("PONTE_TEST_BACKEND");
   return b && std::string(b) == "verbs";
@@ -108,13 +117,14 @@ int memlock_peer(Channel& ch) {
   rlimit big = raise_hard ? rlimit{RLIM_INFINITY, RLIM_INFINITY} : rlimit{orig.rlim_max, orig.rlim_max};
   if (setrlimit(RLIMIT_MEMLOCK, &big) != 0) return send(std::string("setrlimit: ") + strerror(errno)), 5;
   if (!drop_ipc_lock()) return send("capset failed"), 4;
+  PageBuffer src_buf(kLen), dst_buf(kLen);
+  uint8_t* src = src_buf.p;
+  uint8_t* dst = dst_buf.p;
   auto eng = make_engine();
   if (!eng.ok()) return send(std::string("engine: ") + eng.status().message()), 3;
   Engine& e = **eng;
   rlimit small{64 << 10, raise_hard ? rlim_t{64 << 10} : orig.rlim_max};
   if (setrlimit(RLIMIT_MEMLOCK, &small) != 0) return send(std::string("setrlimit: ") + strerror(errno)), 5;
-  uint8_t* src = static_cast<uint8_t*>(aligned_alloc(4096, kLen));
-  uint8_t* dst = static_cast<uint8_t*>(aligned_alloc(4096, kLen));
   memset(dst, 0, kLen);
   auto first = e.register_memory(0, src, kLen);
   send(first.ok() ? "registered" : std::string(code_name(first.status().code())) + ": " + first.status().message());
@@ -192,10 +202,11 @@ class FdLimit {
 // A peer process: an engine with a registered buffer; answers "expect V N" (N immediates V arrived
 // within 20 s), "check SEED" (the buffer holds the pattern) and "exit".
 int fd_peer(Channel& ch) {
+  PageBuffer page_buf(kLen);
+  uint8_t* buf = page_buf.p;
   auto eng = make_engine();
   if (!eng.ok()) return ch.send_str(std::string("engine: ") + eng.status().message()), 3;
   Engine& e = **eng;
-  uint8_t* buf = static_cast<uint8_t*>(aligned_alloc(4096, kLen));
   memset(buf, 0, kLen);
   auto mr = e.register_memory(0, buf, kLen);
   if (!mr.ok()) return ch.send_str(std::string("register: ") + mr.status().message()), 4;

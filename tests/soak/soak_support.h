@@ -240,7 +240,10 @@ inline std::string encode_snapshot(const Snapshot& s) {
   int n = std::snprintf(b, sizeof(b), "%ld %ld %ld %ld %ld %ld %d", s.fds, s.threads, s.rss_kib, s.heap_kib,
                         s.shm_maps, s.shm_rss_kib, s.fi_known ? 1 : 0);
   std::string out(b, static_cast<size_t>(n));
-  for (long v : s.fi) out += " " + std::to_string(v);
+  for (long v : s.fi) {
+    out += ' ';
+    out += std::to_string(v);
+  }
   return out;
 }
 inline Snapshot decode_snapshot(const std::string& t) {
