@@ -110,8 +110,12 @@ void teardown_device(Device* d) {
     reads += std::to_string(r);
   }
   if (total) PONTE_NET_INFO("device %d (%s): flush reads posted per NIC: %s", d->index, d->nic_desc.c_str(), reads.c_str());
-  // Then the engine: its worker runs no callback after this, so every object can go.
-  d->engine.reset();
+  // Then the engine: its worker runs no callback after this, so every object can go. Not reset():
+  // that nulls d->engine before the destructor runs, and the worker's last passes (its linger)
+  // may still run a callback that calls it (a close NOTICE answered with an ACK). The pointer stays
+  // valid until the engine is gone; what such a callback submits then ends with kCancelled.
+  delete d->engine.get();
+  (void)d->engine.release();
   {
     Inbox& ib = inbox();
     std::lock_guard<std::mutex> ilock(ib.mu);
