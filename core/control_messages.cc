@@ -1,4 +1,5 @@
-// Encoding and strict decoding of the control connection's messages (CHALLENGE, AUTH, HELLO, BYE).
+// Encoding and strict decoding of the control connection's messages (CHALLENGE, AUTH, HELLO,
+// PING, PONG, BYE).
 #include "core/control_messages.h"
 
 #include <algorithm>
@@ -30,7 +31,7 @@ Result<ControlType> peek_control_type(std::span<const uint8_t> b) {
   if (b.size() < kHeader) return Status(Code::kInvalidArgument, "control message: %zu bytes is truncated", b.size());
   if (b[0] != kControlVersion)
     return Status(Code::kInvalidArgument, "control message: unsupported version %u (this ponte speaks %u)", b[0], kControlVersion);
-  if (b[1] < static_cast<uint8_t>(ControlType::kHello) || b[1] > static_cast<uint8_t>(ControlType::kAuth))
+  if (b[1] < static_cast<uint8_t>(ControlType::kHello) || b[1] > static_cast<uint8_t>(ControlType::kPong))
     return Status(Code::kInvalidArgument, "control message: unknown type %u", b[1]);
   const size_t total = static_cast<size_t>(b[2]) | (static_cast<size_t>(b[3]) << 8);
   if (total != b.size())
@@ -92,14 +93,28 @@ Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes) {
   return m;
 }
 
-std::vector<uint8_t> encode_bye() { return fixed_message(ControlType::kBye, {}); }
-
-Status decode_bye(std::span<const uint8_t> bytes) {
-  auto body = body_of(bytes, ControlType::kBye, "a goodbye");
+// A message with nothing after its header: BYE, PING, PONG.
+static Status decode_bare(std::span<const uint8_t> bytes, ControlType type, const char* what) {
+  auto body = body_of(bytes, type, what);
   if (!body.ok()) return body.status();
-  if (!body->empty()) return Status(Code::kInvalidArgument, "goodbye: %zu trailing bytes", body->size());
+  if (!body->empty()) return Status(Code::kInvalidArgument, "%s: %zu trailing bytes", what, body->size());
   return Status::Ok();
 }
+
+std::vector<uint8_t> encode_bye() { return fixed_message(ControlType::kBye, {}); }
+Status decode_bye(std::span<const uint8_t> bytes) { return decode_bare(bytes, ControlType::kBye, "a goodbye"); }
+
+// PING and PONG go out on the hot side of liveness: their bytes are built once.
+std::span<const uint8_t> ping_message() {
+  static const uint8_t bytes[kHeader] = {kControlVersion, static_cast<uint8_t>(ControlType::kPing), kHeader, 0};
+  return bytes;
+}
+std::span<const uint8_t> pong_message() {
+  static const uint8_t bytes[kHeader] = {kControlVersion, static_cast<uint8_t>(ControlType::kPong), kHeader, 0};
+  return bytes;
+}
+Status decode_ping(std::span<const uint8_t> bytes) { return decode_bare(bytes, ControlType::kPing, "a ping"); }
+Status decode_pong(std::span<const uint8_t> bytes) { return decode_bare(bytes, ControlType::kPong, "a pong"); }
 
 std::vector<uint8_t> encode_challenge(const Challenge& c) { return fixed_message(ControlType::kChallenge, c); }
 

@@ -1,6 +1,7 @@
 // The messages of a peer's control connection (core/control_socket.h frames them): the acceptor's
 // CHALLENGE and the connector's AUTH (core/control_auth.h), then HELLO, one handshake round with
-// the sender's group address and connect blobs, and BYE. Versioned, with a length, decoded strictly.
+// the sender's group address and connect blobs, PING and PONG (liveness), and BYE. Versioned,
+// with a length, decoded strictly.
 #pragma once
 
 #include <cstdint>
@@ -12,15 +13,22 @@
 
 namespace ponte {
 
-// Version 2 added CHALLENGE/AUTH and HELLO's length; a version-1 peer is refused by both sides.
-constexpr uint8_t kControlVersion = 2;
-enum class ControlType : uint8_t { kHello = 1, kBye = 2, kChallenge = 3, kAuth = 4 };
+// Version 2 added CHALLENGE/AUTH and HELLO's length, version 3 PING/PONG; a peer of another
+// version is refused by both sides (its challenge or proof does not decode).
+constexpr uint8_t kControlVersion = 3;
+enum class ControlType : uint8_t { kHello = 1, kBye = 2, kChallenge = 3, kAuth = 4, kPing = 5, kPong = 6 };
 
 // Every message starts u8 version, u8 type, u16 total length (little endian).
 // CHALLENGE (acceptor -> connector, first on every accepted connection): 16 random bytes.
 // AUTH (connector -> acceptor, its first message): the 32-byte proof (auth_proof).
 // HELLO: u32 id the sender gave the receiver, u32 epoch (handshake round), u16 address length,
 //   the sender's group address, u8 blob count, count x (u16 length, connect blob).
+// PING, PONG: nothing more. A worker that has heard nothing from a ready peer for a quarter of its
+//   PONTE_TIMEOUT_MS sends PING (again every quarter while that lasts) on a connection that carried
+//   its hello; the peer's worker answers PONG at once; a peer heard nothing from for
+//   PONTE_TIMEOUT_MS is dead. Only a running process answers: the kernel keeps a stopped
+//   process's TCP connections (and TCP keepalives) answered, so they cannot tell. The asking side
+//   sets the pace, so two ends with different timeouts each get what theirs needs.
 // BYE: nothing more: the sender's engine is shutting down (an orderly close).
 struct HelloMsg {
   uint32_t id_for_receiver = 0;  // travels as the immediate of the receiver's sends to the sender
@@ -36,6 +44,11 @@ Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m);
 Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes);
 std::vector<uint8_t> encode_bye();
 Status decode_bye(std::span<const uint8_t> bytes);
+// A PING's or PONG's bytes, built once: sending one allocates nothing.
+std::span<const uint8_t> ping_message();
+std::span<const uint8_t> pong_message();
+Status decode_ping(std::span<const uint8_t> bytes);
+Status decode_pong(std::span<const uint8_t> bytes);
 std::vector<uint8_t> encode_challenge(const Challenge& c);
 Result<Challenge> decode_challenge(std::span<const uint8_t> bytes);
 std::vector<uint8_t> encode_auth(const Sha256Digest& proof);

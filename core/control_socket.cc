@@ -138,6 +138,11 @@ void ControlSocket::adopt(int fd) {
   set_socket_options(fd_);
 }
 
+void ControlSocket::take_input(ControlSocket& from) {
+  in_.insert(in_.begin(), from.in_.begin(), from.in_.end());
+  from.in_.clear();
+}
+
 Result<bool> ControlSocket::poll_connected() {
   if (fd_ < 0) return Status(Code::kPeerDead, "control socket closed");
   if (!connecting_) return true;

@@ -43,6 +43,10 @@ class ControlSocket {
   // Starts a non-blocking connect; poll_connected() tells when it is done.
   Status connect(const ControlEndpoint& to);
   void adopt(int fd);  // an accepted socket
+  // Takes what `from` has read but not delivered yet (bytes after the message that made the
+  // connection change hands), ahead of anything this socket reads.
+  void take_input(ControlSocket& from);
+  bool has_input() const { return !in_.empty(); }
   int fd() const { return fd_; }
   bool open() const { return fd_ >= 0; }
   // kOk + true when connected, kOk + false while in progress, error when refused/unreachable.

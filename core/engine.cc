@@ -10,6 +10,7 @@
 #include "core/log.h"
 #include "core/nic_group.h"
 #include "core/topology_layout.h"
+#include "core/watchdog.h"
 
 namespace ponte {
 
@@ -17,6 +18,7 @@ struct Engine::Impl {
   EngineOptions opts;
   std::unique_ptr<Backend> backend;
   std::vector<std::unique_ptr<NicGroup>> groups;
+  std::unique_ptr<Watchdog> watchdog;  // sees a group whose worker is stuck in a provider call
   uint64_t nonce = 0;
   std::atomic<uint64_t> next_mr_id{1};
   std::vector<std::string> group_gpus;
@@ -40,9 +42,25 @@ RemoteRegion MemoryRegion::remote() const {
 
 Engine::Engine() : impl_(std::make_unique<Impl>()) {}
 
+// A wedged group (core/watchdog.h) may have a thread inside one of its NICs for good: it, its
+// NICs and the backend they came from are kept for the life of the process, reachable from here.
+static std::vector<void*>& kept_for_good() {
+  static auto* kept = new std::vector<void*>;
+  return *kept;
+}
+
 Engine::~Engine() {
-  for (auto& g : impl_->groups) g->stop();
+  for (auto& g : impl_->groups) g->stop();  // the watchdog still watches: a stuck shutdown is a wedge
+  if (impl_->watchdog) impl_->watchdog->stop();
+  bool keep_backend = false;
+  for (auto& g : impl_->groups) {
+    if (!g->abandoned()) continue;
+    g->refuse_queued();  // what raced the verdict after the watchdog's last look
+    kept_for_good().push_back(g.release());
+    keep_backend = true;
+  }
   impl_->groups.clear();
+  if (keep_backend) kept_for_good().push_back(impl_->backend.release());
 }
 
 static Result<std::unique_ptr<Backend>> choose_backend(const Config& cfg) {
@@ -108,6 +126,10 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
                    devs[g[0]].provider.c_str(), devs[g[0]].name.c_str());
     im.groups.push_back(std::move(grp));
   }
+  std::vector<NicGroup*> watched;
+  for (auto& g : im.groups) watched.push_back(g.get());
+  im.watchdog = std::make_unique<Watchdog>(std::move(watched));
+  im.watchdog->start();
   return e;
 }
 
@@ -152,7 +174,7 @@ Result<PeerId> Engine::connect(int group, std::span<const uint8_t> peer_address,
 
 bool Engine::peer_ready(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
-  return g && g->peer_ready(peer);
+  return g && !g->wedged() && g->peer_ready(peer);
 }
 uint32_t Engine::peer_epoch(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
@@ -160,7 +182,11 @@ uint32_t Engine::peer_epoch(int group, PeerId peer) const {
 }
 bool Engine::peer_dead(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
-  return g && g->peer_dead(peer);
+  return g && (g->wedged() || g->peer_dead(peer));
+}
+Status Engine::group_status(int group) const {
+  PONTE_GROUP_OR_RETURN(g, group);
+  return g->wedge_status();
 }
 int Engine::peer_nics(int group, PeerId peer) const {
   NicGroup* g = impl_->group(group);
@@ -172,33 +198,32 @@ std::vector<PeerId> Engine::peers(int group) const {
 }
 
 namespace {
+// Jobs for NicGroup::run_on_worker: values only, the worker runs a copy.
 struct RegisterJob {
   NicGroup* g;
   MemoryDesc md;
   std::vector<NicMr> out;
   Status st;
-};
-void do_register(void* p) {
-  auto* job = static_cast<RegisterJob*>(p);
-  for (int i = 0; i < job->g->nic_count(); i++) {
-    auto r = job->g->nic(i).register_memory(job->md);
-    if (!r.ok()) {
-      job->st = r.status();
-      for (auto& m : job->out) job->g->nic(static_cast<int>(&m - job->out.data())).deregister(m);
-      job->out.clear();
-      return;
+  void run() {
+    for (int i = 0; i < g->nic_count(); i++) {
+      auto r = g->nic(i).register_memory(md);
+      if (!r.ok()) {
+        st = r.status();
+        for (auto& m : out) g->nic(static_cast<int>(&m - out.data())).deregister(m);
+        out.clear();
+        return;
+      }
+      out.push_back(*r);
     }
-    job->out.push_back(*r);
   }
-}
+};
 struct DeregisterJob {
   NicGroup* g;
-  const std::vector<NicMr>* mrs;
+  std::vector<NicMr> mrs;
+  void run() {
+    for (size_t i = 0; i < mrs.size(); i++) g->nic(static_cast<int>(i)).deregister(mrs[i]);
+  }
 };
-void do_deregister(void* p) {
-  auto* job = static_cast<DeregisterJob*>(p);
-  for (size_t i = 0; i < job->mrs->size(); i++) job->g->nic(static_cast<int>(i)).deregister((*job->mrs)[i]);
-}
 }  // namespace
 
 Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, MemKind kind, int cuda_device,
@@ -229,7 +254,7 @@ Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, 
       PONTE_LOG_INFO("CUDA memory %p: no dmabuf (%s); registering through peer memory", addr, d.status().message());
     }
   }
-  PONTE_RETURN_IF_ERROR(g->run_on_worker(do_register, &job));
+  PONTE_RETURN_IF_ERROR(g->run_on_worker(job));
   PONTE_RETURN_IF_ERROR(job.st);
   MemoryRegion mr;
   mr.addr = addr;
@@ -244,8 +269,8 @@ Result<MemoryRegion> Engine::register_memory(int group, void* addr, size_t len, 
 Status Engine::deregister(MemoryRegion& mr) {
   PONTE_GROUP_OR_RETURN(g, mr.group);
   if (mr.id == 0) return Status(Code::kInvalidArgument, "deregister: region is not registered");
-  DeregisterJob job{g, &mr.nic_mrs};
-  PONTE_RETURN_IF_ERROR(g->run_on_worker(do_deregister, &job));
+  DeregisterJob job{g, mr.nic_mrs};
+  PONTE_RETURN_IF_ERROR(g->run_on_worker(job));
   mr.id = 0;
   mr.nic_mrs.clear();
   return Status::Ok();
@@ -451,18 +476,15 @@ struct HandlerJob {
   NicGroup* g;
   RecvHandler fn;
   void* arg;
+  void run() { g->set_recv_handler(fn, arg); }
 };
-void do_set_handler(void* p) {
-  auto* job = static_cast<HandlerJob*>(p);
-  job->g->set_recv_handler(job->fn, job->arg);
-}
 }  // namespace
 
 void Engine::set_recv_handler(int group, RecvHandler fn, void* arg) {
   NicGroup* g = impl_->group(group);
   if (!g) return;
   HandlerJob job{g, fn, arg};
-  Status st = g->run_on_worker(do_set_handler, &job);
+  Status st = g->run_on_worker(job);
   if (!st.ok()) PONTE_LOG_ERROR("set_recv_handler: %s", st.message());
 }
 

@@ -114,9 +114,15 @@ class Engine {
   // and peer_ready() is true again, nothing sent over the older connections can still land.
   uint32_t peer_epoch(int group, PeerId peer) const;
   // Whether nothing more will come from peer: it died, or it closed its engine and the grace
-  // for its last writes (250 ms, or PONTE_TIMEOUT_MS if shorter) has passed. Operations toward
-  // a peer that closed are refused with kPeerDead at once.
+  // for its last writes (250 ms, or PONTE_TIMEOUT_MS if shorter) has passed, or it stopped (its
+  // worker answered nothing for PONTE_TIMEOUT_MS), or the group is wedged (group_status).
+  // Operations toward a peer that closed are refused with kPeerDead at once.
   bool peer_dead(int group, PeerId peer) const;
+  // OK, or why the group takes no more work: it is wedged (kUnavailable), a provider call made by
+  // its worker (or by a thread inside progress()) did not return within PONTE_TIMEOUT_MS. Then
+  // every operation and counter it held ended with an error, its peers are dead to it (and were
+  // told), and each later call on it fails at once. Final: make a new Engine.
+  Status group_status(int group) const;
   // Number of NICs that writes to this peer stripe over: min(local NICs, peer NICs); 0 until the
   // peer's address is known.
   int peer_nics(int group, PeerId peer) const;
@@ -200,7 +206,8 @@ class Engine {
   // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
   // and takes over again when the polling stops. Never blocks or allocates; false when it did
   // nothing (the worker is running, or there was nothing to do). A thread that calls it may skip
-  // the worker's wake-up when it submits: the worker still finds its work within 50 us.
+  // the worker's wake-up when it submits: the worker still finds its work within 50 us. On shm it
+  // only reaps: a post there can block for good on a stopped peer's lock, so the worker makes them.
   bool progress(int group);
 
   // How many immediates one write of len bytes to peer produces at the target.

@@ -90,7 +90,8 @@ struct WriteWr {
 
 // One NIC: all methods except the destructor are called from one thread at a time (the owning
 // NicGroup's worker). post_* never block and never allocate: kAgain means "queue full, poll and
-// retry"; any other error is final for that post.
+// retry"; any other error is final for that post. NicGroup wraps each in core/watchdog.h's
+// WatchedNic, which forwards every method: one added here must be forwarded there too.
 class Nic {
  public:
   virtual ~Nic() = default;

@@ -1,5 +1,5 @@
 // NicGroup's lifecycle and submission: construction, start (listen socket, receive buffers, the
-// worker thread), stop, and submit / run_on_worker from any thread.
+// worker thread), stop (also of a wedged group), and submit / run_on_worker from any thread.
 #include "core/nic_group.h"
 
 #include <errno.h>
@@ -27,7 +27,12 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
       queue_(cfg.queue_depth),
       slots_(cfg.max_inflight),
       peers_(kMaxPeers),
-      imm_(kImmTableSize, cfg.max_inflight, dense_imm_values) {
+      imm_(kImmTableSize, cfg.max_inflight, dense_imm_values),
+      ping_after_(std::max<uint32_t>(cfg.timeout_ms / 4, 1)),
+      silence_limit_(cfg.timeout_ms) {
+  // Every provider call is marked for the watchdog (core/watchdog.h).
+  for (auto& n : nics_) n = std::make_unique<WatchedNic>(std::move(n), &guard_);
+  pollers_post_ = pollers_may_post(nics_);
   fault_drops_left_ = cfg.fault_drop_recvs;
   free_slots_.reserve(slots_.size());
   for (uint32_t i = static_cast<uint32_t>(slots_.size()); i-- > 0;) free_slots_.push_back(i);
@@ -92,6 +97,7 @@ Status NicGroup::start(const std::vector<int>& cores) {
   last_activity_ = Clock::now();
   last_timeout_scan_ = last_activity_;
   now_ = last_activity_;
+  watching_.store(true, std::memory_order_seq_cst);
   worker_ = std::thread([this, cores] {
     if (!cores.empty()) {
       cpu_set_t set;
@@ -100,8 +106,7 @@ Status NicGroup::start(const std::vector<int>& cores) {
       int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
       if (rc != 0) PONTE_LOG_WARN("group %d: pinning the worker failed: %s", index_, strerror(rc));
     }
-    run();
-    linger();
+    worker_main();
   });
   return Status::Ok();
 }
@@ -120,11 +125,30 @@ void NicGroup::post_recv_buffers() {
 }
 
 void NicGroup::stop() {
+  if (abandoned_) return;  // wedged: see below
   if (worker_.joinable()) {
     stop_.store(true, std::memory_order_release);
     uint64_t one = 1;
     if (write(wake_fd_, &one, sizeof(one)) < 0) { /* the worker also wakes on its own */ }
-    worker_.join();  // it exits holding the progress token: pollers are shut out from here on
+    // The worker lingers, then exits holding the progress token (pollers are shut out from here
+    // on); or a provider call it is in never returns and the watchdog takes the group over.
+    while (!worker_exited_.load(std::memory_order_acquire) && !taken_over_.load(std::memory_order_acquire))
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    // A worker that left through a claimed call: the watchdog may still be taking over.
+    while (CallGuard::claimed(guard_.peek()) && !taken_over_.load(std::memory_order_acquire))
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    // From here this thread's own provider calls (below) are not the watchdog's to claim.
+    watching_.store(false, std::memory_order_seq_cst);
+    if (taken_over_.load(std::memory_order_acquire)) {
+      // Wedged: the watchdog ended what the group held. A thread may still be inside one of its
+      // NICs, so nothing of it is closed or freed (the engine keeps it; see abandoned()).
+      if (worker_exited_.load(std::memory_order_acquire)) worker_.join();
+      else worker_.detach();
+      abandoned_ = true;
+      PONTE_LOG_WARN("group %d: shut down wedged: its NICs and their provider resources stay open", index_);
+      return;
+    }
+    worker_.join();
   }
   // Everything still queued or in flight ends with kCancelled.
   Status cancelled(Code::kCancelled, "the engine was shut down");
@@ -162,18 +186,21 @@ void NicGroup::epoll_del(int fd) { epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullp
 // ---------------------------------------------------------------- submission
 
 Status NicGroup::submit(const Op& op) {
+  if (wedged_.load(std::memory_order_acquire)) return wedge_status();
   if (stop_.load(std::memory_order_acquire))
     return Status(Code::kCancelled, "group %d: the engine is shutting down", index_);
   // From the worker itself (a completion callback chaining the next op): start it in place, no
   // queue round trip. Slot-less ops (expect, call, connect) always can; others need a free slot.
   if (on_worker() && (!op.needs_slot() || !free_slots_.empty())) {
+    CallGuard::Nested nested;  // a wedge inside must not unwind through the callback's frames
     start_op(op);
     return Status::Ok();
   }
   if (!queue_.push(op)) return Status(Code::kAgain, "group %d: submission queue full (%zu)", index_, queue_.capacity());
-  // A thread that polls this group starts its own submissions in its next progress() call; the
-  // sleeping worker would find them anyway within its idle backoff (at most 50 us).
-  if (!polled_here() && sleeping_.load(std::memory_order_acquire) &&
+  // A thread that polls this group starts its own submissions in its next progress() call (where
+  // pollers may post); the sleeping worker would find them anyway within its idle backoff (at
+  // most 50 us).
+  if ((!polled_here() || !pollers_post_) && sleeping_.load(std::memory_order_acquire) &&
       sleeping_.exchange(false, std::memory_order_acq_rel)) {
     uint64_t one = 1;  // once per sleep, not per submission
     if (write(wake_fd_, &one, sizeof(one)) < 0) { /* already signalled */ }
@@ -182,38 +209,73 @@ Status NicGroup::submit(const Op& op) {
 }
 
 namespace {
-struct CallBox {
-  void (*fn)(void*);
-  void* arg;
-};
-void run_call(void* p) {
-  auto* box = static_cast<CallBox*>(p);
-  box->fn(box->arg);
+// The queued op's half of a WorkerCall: run it unless its caller gave up (box_done lets go of it
+// after). A run the watchdog cut short (a provider call inside it was claimed) unwinds through
+// here: the op's reference goes with it, the box being its caller's and no part of the group.
+void run_box(void* p) {
+  auto* call = static_cast<WorkerCall*>(p);
+  uint8_t queued = WorkerCall::kQueued;
+  if (!call->state.compare_exchange_strong(queued, WorkerCall::kRunning, std::memory_order_acq_rel)) return;
+  struct CutShort {
+    WorkerCall* call;
+    bool ran = false;
+    ~CutShort() {
+      if (!ran) call->unref();
+    }
+  } guard{call};
+  call->run();
+  guard.ran = true;
+  call->state.store(WorkerCall::kDone, std::memory_order_release);
+}
+// The op's Notify: OK after run_box (ran, or found it abandoned); an error when the op was
+// refused without running (shutdown, a wedge): its caller hears so.
+void box_done(void* p, const Status& st) {
+  auto* call = static_cast<WorkerCall*>(p);
+  if (!st.ok()) {
+    uint8_t queued = WorkerCall::kQueued;
+    call->state.compare_exchange_strong(queued, WorkerCall::kCancelled, std::memory_order_acq_rel);
+  }
+  call->unref();
 }
 }  // namespace
 
-Status NicGroup::run_on_worker(void (*fn)(void*), void* arg) {
-  if (on_worker() || !worker_.joinable()) {
-    fn(arg);
-    return Status::Ok();
-  }
-  CallBox box{fn, arg};
-  Flag flag;
+Status NicGroup::run_call(WorkerCall* call) {
   Op op;
   op.type = Op::kCall;
-  op.call = run_call;
-  op.call_arg = &box;
-  op.done = flag.notify();
+  op.call = run_box;
+  op.call_arg = call;
+  op.done = Notify{&box_done, call};
   auto deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms);
   for (;;) {
     Status st = submit(op);
     if (st.ok()) break;
-    if (st.code() != Code::kAgain || Clock::now() > deadline) return st;
+    if (st.code() != Code::kAgain || Clock::now() > deadline) {
+      call->unref();  // the op's reference: it was never queued
+      return st;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  // The worker always runs (or cancels) a queued call: wait without a deadline would be safe, but
-  // a wedged NIC call must not hang the caller forever.
-  return flag.wait(std::chrono::milliseconds(cfg_.timeout_ms) + std::chrono::seconds(5));
+  // The worker runs the call or refuses it; a wedged worker may do neither, and a call that never
+  // runs must not hang its caller: either way the box outlives this wait if it must.
+  deadline = Clock::now() + std::chrono::milliseconds(cfg_.timeout_ms) + std::chrono::seconds(5);
+  for (uint32_t spins = 0;; spins++) {
+    uint8_t s = call->state.load(std::memory_order_acquire);
+    if (s == WorkerCall::kDone) return Status::Ok();
+    if (s == WorkerCall::kCancelled) return wedged() ? wedge_status() : Status(Code::kCancelled, "group %d: the engine was shut down", index_);
+    const bool wedge = wedged();
+    if (wedge || Clock::now() > deadline) {
+      uint8_t queued = WorkerCall::kQueued;
+      if (!call->state.compare_exchange_strong(queued, WorkerCall::kAbandoned, std::memory_order_acq_rel) &&
+          queued == WorkerCall::kDone)
+        return Status::Ok();
+      if (wedge) return wedge_status();
+      PONTE_LOG_WARN("group %d: a call for the worker (a registration?) did not %s within PONTE_TIMEOUT_MS + 5 s",
+                     index_, queued == WorkerCall::kRunning ? "finish" : "start");
+      return Status(Code::kTimeout, "group %d: the worker did not run the call within PONTE_TIMEOUT_MS + 5 s", index_);
+    }
+    if (spins < 1000) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 }  // namespace ponte

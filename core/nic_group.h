@@ -18,6 +18,7 @@
 #include "core/nic.h"
 #include "core/stripe_plan.h"
 #include "core/submit_queue.h"
+#include "core/watchdog.h"
 
 namespace ponte {
 
@@ -48,6 +49,21 @@ struct Op {
   bool needs_slot() const { return type != kExpect && type != kCall && type != kConnect; }
 };
 
+// A call for the worker (NicGroup::run_on_worker) in a box of its own, shared by its caller and
+// the queued op: the worker runs the box's copy of the caller's job, and a caller that stops
+// waiting (the group is wedged, or the call overran) leaves the box to the other reference, so a
+// call still running on a stuck worker never writes into a returned caller's stack.
+struct WorkerCall {
+  enum State : uint8_t { kQueued, kRunning, kDone, kCancelled, kAbandoned };
+  std::atomic<uint8_t> state{kQueued};
+  std::atomic<int> refs{2};  // the caller's and the queued op's
+  virtual ~WorkerCall() = default;
+  virtual void run() = 0;
+  void unref() {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+};
+
 class NicGroup {
  public:
   NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic>> nics,
@@ -67,8 +83,12 @@ class NicGroup {
 
   // Submission from any thread. kAgain when the queue is full.
   Status submit(const Op& op);
-  // Runs fn(arg) on the worker and waits (directly when called on the worker).
-  Status run_on_worker(void (*fn)(void*), void* arg);
+  // Runs job.run() on the worker and waits (directly when called on the worker): on a copy of job,
+  // copied back once it ran. Job: copyable, with void run(). A wedged group refuses at once; a
+  // call queued when it wedged, or not run within PONTE_TIMEOUT_MS + 5 s, ends with an error
+  // (the copy is left to the worker).
+  template <typename Job>
+  Status run_on_worker(Job& job);
   // Whether the calling thread holds the group's progress token: it is the worker in a pass, or a
   // poller inside progress(). Worker-only state may be touched only by the token's holder.
   bool on_worker() const;
@@ -97,6 +117,18 @@ class NicGroup {
   // Worker-side registration helpers (called through run_on_worker).
   Nic& nic(int i) { return *nics_[i]; }
 
+  // ---- The watchdog (core/watchdog.h). Called by the engine's watchdog thread every period: a
+  // provider call that has not returned for PONTE_TIMEOUT_MS is claimed and the group taken over
+  // (its operations and counters end with errors, its peers are told); afterwards what raced the
+  // verdict into the queue is refused.
+  void watchdog_check(std::chrono::steady_clock::time_point now);
+  bool wedged() const { return wedged_.load(std::memory_order_acquire); }
+  Status wedge_status() const;  // OK, or why the group takes no more work (kUnavailable)
+  // After stop(): the group was wedged, a thread may still be inside one of its NICs: never
+  // destroy it, nor the backend its NICs came from.
+  bool abandoned() const { return abandoned_; }
+  void refuse_queued();  // a wedged group's queue, by whoever owns it (the watchdog, then stop)
+
  private:
   enum PeerState : uint8_t { kUnused = 0, kConnecting, kReady, kDead };
   struct Peer {
@@ -124,6 +156,8 @@ class NicGroup {
     uint32_t remote_epoch = 0;  // the peer's latest round seen
     ControlSocket sock[2];
     bool sock_hello_sent[2] = {false, false};
+    std::chrono::steady_clock::time_point last_heard;      // its last control message (liveness)
+    std::chrono::steady_clock::time_point last_ping;       // our last PING to it
     std::chrono::steady_clock::time_point handshake_deadline;
   };
   struct Slot {
@@ -152,6 +186,7 @@ class NicGroup {
     bool authed = false;
   };
 
+  void worker_main();  // the worker thread: run(), linger(), or a claimed provider call's way out
   void run();
   struct PassState {  // the worker loop's own (backoff, clock reads)
     uint32_t idle_us = 0;
@@ -163,8 +198,9 @@ class NicGroup {
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
   bool polled_here() const;              // this thread called progress() on this group last
   bool take_token();                     // try
-  void hold_token();                     // the worker's last take, for linger and stop()
+  bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
   void release_token();
+  static bool pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics);
   void linger();  // orderly shutdown on the worker, after run() (bounded by kLingerMs)
   bool poll_nics();
   bool drain_queue();
@@ -179,6 +215,10 @@ class NicGroup {
   void poll_control(std::chrono::steady_clock::time_point now);
   void service_peer(PeerId p, int which);
   void end_drains(std::chrono::steady_clock::time_point now);
+  void keep_alive(PeerId p, std::chrono::steady_clock::time_point now, std::chrono::steady_clock::duration away);
+  bool liveness_message(PeerId p, int which);  // msg_ was a PING (answered) or a PONG
+  void take_over(uint64_t call_word, long long stuck_ms);  // the watchdog thread, once
+  Status run_call(WorkerCall* call);
   Status handle_hello(PeerId p, int which, const HelloMsg& msg);
   Status answer_challenge(PeerId p);
   Status send_hello(PeerId p, int which);
@@ -239,6 +279,7 @@ class NicGroup {
 
   uint32_t first_nic_ = 0;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> wedged_{false};  // set by the watchdog: the group takes no more work
   std::atomic<bool> sleeping_{false};
   // The progress token: whoever holds it runs worker-only code (the worker each pass, a poller in
   // progress()). Pollers take it only when the worker sleeps or made no attempt since their last
@@ -256,6 +297,42 @@ class NicGroup {
   std::chrono::steady_clock::time_point last_timeout_scan_;
   uint64_t dropped_imms_ = 0;
   uint32_t fault_drops_left_ = 0;  // PONTE_FAULT_DROP_RECVS: messages still to lose (worker only)
+  std::chrono::milliseconds ping_after_, silence_limit_;  // PONTE_TIMEOUT_MS / 4, PONTE_TIMEOUT_MS
+
+  // The watchdog's view (core/watchdog.h).
+  CallGuard guard_;                        // every NIC's provider calls, written by the token holder
+  bool in_drain_ = false;                  // token holder: inside drain_queue (its head mid-start)
+  std::atomic<bool> watching_{false};      // from start() until stop()'s worker is gone
+  std::atomic<bool> taken_over_{false};    // the watchdog has ended what the group held
+  std::atomic<bool> worker_exited_{false};
+  bool abandoned_ = false;
+  bool pollers_post_ = true;               // see pollers_may_post (nic_group_worker.cc)
+  char wedge_why_[96] = {0};               // written before wedged_ is set
+  uint64_t watch_word_ = 0;                // the watchdog thread's: the call seen, since when
+  std::chrono::steady_clock::time_point watch_since_;
+  uint64_t watch_passes_ = 0;              // and the worker's passes, since when
+  std::chrono::steady_clock::time_point passes_since_;
+  bool warned_stall_ = false;
 };
+
+template <typename Job>
+Status NicGroup::run_on_worker(Job& job) {
+  if (wedged()) return wedge_status();
+  if (on_worker() || !worker_.joinable()) {
+    CallGuard::Nested nested;  // from a callback: a wedge here must not unwind through its frames
+    job.run();
+    return Status::Ok();
+  }
+  struct Box final : WorkerCall {
+    explicit Box(const Job& j) : job(j) {}
+    void run() override { job.run(); }
+    Job job;
+  };
+  auto* box = new Box(job);
+  Status st = run_call(box);
+  if (st.ok()) job = box->job;
+  box->unref();
+  return st;
+}
 
 }  // namespace ponte

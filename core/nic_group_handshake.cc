@@ -318,10 +318,12 @@ void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point 
   int fd = pending_[i].sock->fd();
   epoll_del(fd);
   p.sock[which].adopt(dup(fd));
+  p.sock[which].take_input(*pending_[i].sock);  // read with the hello: a ping, a goodbye
   pending_.erase(pending_.begin() + static_cast<long>(i));
   epoll_add(p.sock[which].fd(), (static_cast<uint64_t>(id) << 1) | static_cast<uint64_t>(which));
   Status st = handle_hello(id, which, hello);
-  if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
+  if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
+  if (p.sock[which].has_input()) service_peer(id, which);
 }
 
 void NicGroup::expire_pending(Clock::time_point now) {
@@ -369,11 +371,13 @@ void NicGroup::service_peer(PeerId id, int which) {
       return peer_died(id, Code::kPeerDead, got.status().message());
     }
     if (!*got) return;
+    p.last_heard = now_;  // any message: the peer's worker runs (keep_alive)
     if (outbound && !p.out_authed) {
       Status st = answer_challenge(id);
       if (!st.ok()) return peer_died(id, Code::kPeerDead, st.message());
       continue;
     }
+    if (liveness_message(id, which)) continue;  // a PING (answered) or a PONG
     if (decode_bye(msg_).ok()) {
       p.orderly_close = true;
       return peer_died(id, Code::kPeerDead, "the peer shut its engine down");

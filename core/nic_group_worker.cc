@@ -1,6 +1,7 @@
 // NicGroup's worker loop: drain submissions, post, poll the NICs, housekeeping every 100 us, idle
-// back-off into epoll, the orderly shutdown (linger) after the loop ends, and the progress token
-// that lets a polling thread run the data path's passes itself (progress()).
+// back-off into epoll, the orderly shutdown (linger) after the loop ends, the progress token that
+// lets a polling thread run the data path's passes itself (progress()), and the way out of both
+// for a thread whose provider call the watchdog claimed (core/watchdog.h).
 #include "core/nic_group.h"
 
 #include <sys/epoll.h>
@@ -29,6 +30,7 @@ void NicGroup::sleep_idle(uint32_t us) {
 // toward this group when its endpoints close (libfabric 1.17's rxm crashes closing an endpoint
 // that holds a half-received write). Bounded: kLingerMs (or PONTE_TIMEOUT_MS if shorter).
 void NicGroup::linger() {
+  if (wedged_.load(std::memory_order_acquire)) return;  // the watchdog's now
   const auto deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
   Status cancelled(Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
@@ -37,7 +39,9 @@ void NicGroup::linger() {
   for (auto now = Clock::now(); (queue_.front() != nullptr || active_count_ > 0) && now < deadline;
        now = Clock::now()) {
     now_ = now;
+    in_drain_ = true;
     drain_queue();
+    in_drain_ = false;
     if (run_head_ != kNoSlot) post_runnable();
     poll_nics();
     poll_control(now);  // handshakes still under way, peers that close meanwhile
@@ -76,6 +80,17 @@ bool NicGroup::poll_nics() {
 
 // ---- the progress token
 
+// Whether a thread that polls may post on these NICs. libfabric's shm posts by taking a lock in
+// the peer's shared memory, which a stopped peer may hold for good: a post can then never return,
+// and the thread making it never returns either. The worker may be that thread (the watchdog turns
+// it into errors); a poller, the application's own thread (NCCL's proxy inside test()), must not
+// be: there it only reaps completions, and the worker starts and posts what is submitted.
+bool NicGroup::pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics) {
+  for (const auto& n : nics)
+    if (n->info().provider == "shm") return false;
+  return true;
+}
+
 namespace {
 thread_local const NicGroup* tls_holder = nullptr;  // the group whose token this thread holds
 thread_local const NicGroup* tls_poller = nullptr;  // the group this thread last polled
@@ -91,8 +106,12 @@ bool NicGroup::take_token() {
   return true;
 }
 
-void NicGroup::hold_token() {
-  while (!take_token()) std::this_thread::yield();  // a poller holds it for one pass at most
+bool NicGroup::hold_token() {
+  while (!take_token()) {  // a poller holds it for one pass at most, unless it is stuck in a provider
+    if (wedged_.load(std::memory_order_acquire)) return false;
+    std::this_thread::yield();
+  }
+  return true;
 }
 
 void NicGroup::release_token() {
@@ -110,12 +129,23 @@ bool NicGroup::progress() {
   if (!sleeping_.load(std::memory_order_relaxed) &&
       passes_seen_.exchange(passes, std::memory_order_relaxed) != passes)
     return false;
-  if (stop_.load(std::memory_order_relaxed) || !take_token()) return false;
+  if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed) || !take_token()) return false;
   bool did = false;
-  if (!stop_.load(std::memory_order_acquire)) {
-    did = drain_queue();
-    if (run_head_ != kNoSlot) did |= post_runnable();
-    did |= poll_nics();
+  try {
+    if (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_acquire)) {
+      if (pollers_post_) {
+        in_drain_ = true;
+        did = drain_queue();
+        in_drain_ = false;
+        if (run_head_ != kNoSlot) did |= post_runnable();
+      }
+      did |= poll_nics();
+    }
+  } catch (const GroupWedged&) {
+    // The watchdog claimed our provider call: the group is its own now, token included (taken
+    // for good, so nobody enters again). Nothing of the group may be written on the way out.
+    tls_holder = nullptr;
+    return false;
   }
   release_token();
   return did;
@@ -123,10 +153,22 @@ bool NicGroup::progress() {
 
 // ---- the worker loop
 
+void NicGroup::worker_main() {
+  try {
+    run();
+    linger();
+  } catch (const GroupWedged&) {
+    // The watchdog claimed the provider call this thread was in (core/watchdog.h): it returned,
+    // late, into nothing of the group's. The token stays taken for good.
+    tls_holder = nullptr;
+  }
+  worker_exited_.store(true, std::memory_order_release);
+}
+
 void NicGroup::run() {
   PassState st;
   st.last_house = Clock::now();
-  while (!stop_.load(std::memory_order_acquire)) {
+  while (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_relaxed)) {
     // Counted before taking the token: a poller that sees the count move steps aside on its next
     // call, so the worker is never starved of the token, and never waits for one either.
     passes_.store(passes_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
@@ -146,11 +188,15 @@ void NicGroup::run() {
     release_token();
     if (sleep) sleep_idle(sleep_us);
   }
-  hold_token();  // linger, then stop(), own the group from here on
+  // linger, then stop(), own the group from here on; unless it is wedged (a poller stuck inside a
+  // provider call holds the token): then the watchdog does.
+  if (!hold_token()) tls_holder = nullptr;
 }
 
 uint32_t NicGroup::worker_pass(PassState& st) {
+  in_drain_ = true;
   bool did = drain_queue();
+  in_drain_ = false;
   if (run_head_ != kNoSlot) did |= post_runnable();
   did |= poll_nics();
   st.worked |= did;

@@ -1,9 +1,10 @@
-// Fuzzes the control messages a peer sends on its control connection (CHALLENGE, AUTH, HELLO, BYE)
-// and what the handshake decodes inside a HELLO (the group address, verbs connect blobs): an
-// accepted message is of this version, its length field is its size, and it re-encodes to exactly
-// its bytes; a hello built from the input round-trips.
+// Fuzzes the control messages a peer sends on its control connection (CHALLENGE, AUTH, HELLO,
+// PING, PONG, BYE) and what the handshake decodes inside a HELLO (the group address, verbs connect
+// blobs): an accepted message is of this version, its length field is its size, and it re-encodes
+// to exactly its bytes; a hello built from the input round-trips.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/control_messages.h"
@@ -32,6 +33,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)addr;
   }
   if (decode_bye(in).ok()) FUZZ_CHECK(bytes == encode_bye());
+  if (decode_ping(in).ok()) FUZZ_CHECK(type.ok() && *type == ControlType::kPing && in.size() == ping_message().size() &&
+                                       std::equal(in.begin(), in.end(), ping_message().begin()));
+  if (decode_pong(in).ok()) FUZZ_CHECK(type.ok() && *type == ControlType::kPong && in.size() == pong_message().size() &&
+                                       std::equal(in.begin(), in.end(), pong_message().begin()));
   if (auto c = decode_challenge(in); c.ok()) FUZZ_CHECK(encode_challenge(*c) == bytes);
   if (auto a = decode_auth(in); a.ok()) FUZZ_CHECK(encode_auth(*a) == bytes);
   if (type.ok()) FUZZ_CHECK(size >= 4 && (data[2] | (data[3] << 8)) == static_cast<int>(size));

@@ -137,6 +137,9 @@ Seeds all_seeds() {
   s["control_messages/seed-hello-fabric"] = h_fabric;
   s["control_messages/seed-hello-verbs"] = h_verbs;
   s["control_messages/seed-bye"] = encode_bye();
+  const Bytes ping(ping_message().begin(), ping_message().end()), pong(pong_message().begin(), pong_message().end());
+  s["control_messages/seed-ping"] = ping;
+  s["control_messages/seed-pong"] = pong;
   Challenge ch;
   for (size_t i = 0; i < ch.size(); i++) ch[i] = static_cast<uint8_t>(0xc0 + i);
   s["control_messages/seed-challenge"] = encode_challenge(ch);
@@ -144,9 +147,11 @@ Seeds all_seeds() {
   const Bytes auth = encode_auth(auth_proof(key, ch, 0x9e3779b97f4a7c15ull, 0));
   s["control_messages/seed-auth"] = auth;
 
-  Bytes stream;  // what a connector sends: its proof, then its hello, later its goodbye
+  Bytes stream;  // what a connector sends: its proof, its hello, a ping and a pong, its goodbye
   append_frame(auth, &stream);
   append_frame(h_verbs, &stream);
+  append_frame(ping, &stream);
+  append_frame(pong, &stream);
   append_frame(encode_bye(), &stream);
   s["control_frame/seed-auth-hello-bye"] = stream;
   Bytes one;

@@ -113,6 +113,8 @@ class PeerProcess {
   void kill() {
     if (pid_ > 0) ::kill(pid_, SIGKILL);
   }
+  // SIGSTOP, SIGCONT, ...: a peer that stops without dying (tests/liveness).
+  bool signal(int sig) const { return pid_ > 0 && ::kill(pid_, sig) == 0; }
   // Exit status (>= 0) or -1 on timeout / signal.
   int wait_exit(int timeout_ms) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
