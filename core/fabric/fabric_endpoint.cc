@@ -60,21 +60,21 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight) {
   cancelled_ = std::make_unique<OpContext*[]>(tx);
   PONTE_RETURN_IF_ERROR(cq_.open(lib_, domain_.domain(), static_cast<size_t>(tx) + rx));
 
-  int rc = fi_endpoint(domain_.domain(), fi, &ep_, nullptr);
-  if (rc != 0) {
+  // shm names an endpoint's shared-memory region after the process id and a per-process endpoint
+  // index, and refuses (EBUSY at fi_enable) a name a dead process left behind: a process killed
+  // (SIGKILL) keeps its regions in /dev/shm, and process ids are reused. The next endpoint takes
+  // the next index, so a few tries find a name of our own (the dead process had a few at most).
+  int rc = 0;
+  for (int attempt = 0;; ++attempt) {
+    PONTE_RETURN_IF_ERROR(create_endpoint(fi));
+    rc = fi_enable(ep_);
+    if (rc != -FI_EBUSY || info_.provider != "shm" || attempt == kShmNameTries - 1) break;
+    if (attempt == 0)
+      PONTE_LOG_WARN("fabric: NIC %s: a shared-memory region named for this process id is left from a dead "
+                     "process (pid reused); trying the next endpoint index", info_.name.c_str());
+    close_fid(lib_, &ep_->fid, "endpoint");
     ep_ = nullptr;
-    return Status(Code::kTransport, "fi_endpoint: %s", lib_.error_text(rc));
   }
-  rc = fi_ep_bind(ep_, &av_.av()->fid, 0);
-  if (rc != 0)
-    return Status(Code::kTransport, "binding the address vector: %s", lib_.error_text(rc));
-  rc = fi_ep_bind(ep_, &cq_.cq()->fid, FI_TRANSMIT | FI_RECV);
-  if (rc != 0)
-    return Status(Code::kTransport, "binding the completion queue: %s", lib_.error_text(rc));
-  auto opts = set_endpoint_options(lib_, ep_, *fi);  // before fi_enable: EFA refuses them after
-  if (!opts.ok()) return opts.status();
-  info_.write_ordered_128 = opts->write_ordered_128;
-  rc = fi_enable(ep_);
   if (rc != 0) return Status(Code::kTransport, "fi_enable: %s", lib_.error_text(rc));
 
   address_.assign(256, 0);
@@ -89,6 +89,25 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight) {
     return Status(Code::kTransport, "fi_getname gave an address of %zu bytes", len);
   }
   address_.resize(len);
+  return Status::Ok();
+}
+
+// The endpoint, bound to the address vector and the completion queue, with ponte's options set.
+Status FabricNic::create_endpoint(struct fi_info* fi) {
+  int rc = fi_endpoint(domain_.domain(), fi, &ep_, nullptr);
+  if (rc != 0) {
+    ep_ = nullptr;
+    return Status(Code::kTransport, "fi_endpoint: %s", lib_.error_text(rc));
+  }
+  rc = fi_ep_bind(ep_, &av_.av()->fid, 0);
+  if (rc != 0)
+    return Status(Code::kTransport, "binding the address vector: %s", lib_.error_text(rc));
+  rc = fi_ep_bind(ep_, &cq_.cq()->fid, FI_TRANSMIT | FI_RECV);
+  if (rc != 0)
+    return Status(Code::kTransport, "binding the completion queue: %s", lib_.error_text(rc));
+  auto opts = set_endpoint_options(lib_, ep_, *fi);  // before fi_enable: EFA refuses them after
+  if (!opts.ok()) return opts.status();
+  info_.write_ordered_128 = opts->write_ordered_128;
   return Status::Ok();
 }
 

@@ -64,6 +64,8 @@ class FabricNic final : public Nic {
  private:
   FabricNic(const FabricLibrary& lib, const NicInfo& nic_info) : lib_(lib), info_(nic_info) {}
   Status init(const struct fi_info& info, uint32_t max_inflight);
+  Status create_endpoint(struct fi_info* fi);
+  static constexpr int kShmNameTries = 16;  // endpoint indices tried past a dead process's regions
   Status post_failed(ssize_t rc, const char* what, OpContext* op);
   OpContext* begin_tx(size_t len, NicPeer peer, uint64_t ctx, Status* st);
   Status check_length(size_t len) const;

@@ -1,6 +1,7 @@
 // Resource limits a process can hit (on loopback, 127.0.0.1): too little locked memory for a
 // registration (`ulimit -l`) and too few file descriptors for the control sockets (`ulimit -n`),
-// both on the connecting and on the accepting side. Each ends in a clear error, nothing crashes,
+// both on the connecting and on the accepting side, and shm regions a killed process left under a
+// process id that is ours now. Each ends in a clear error, nothing crashes,
 // and once the limit is raised the same engine registers, connects and moves verified data again.
 // The submission queue and PONTE_MAX_INFLIGHT are tests/engine/resource_limits_test.cc.
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -408,13 +410,76 @@ TEST_F(FdLimitTest, AcceptWithoutDescriptorsRestsThePortThenRecovers) {
   }
 }
 
+// ---------------------------------------------------------------- what a killed process leaves
+
+// libfabric's shm names a region after the process id and an endpoint index ("PID:UID:IDX" in
+// /dev/shm), and a process killed with SIGKILL leaves its regions there. Process ids are reused
+// (pid_max is 32768 here), so a new process can be born under a dead one's names. The peer makes
+// that happen to itself before its engine starts: the engine steps past the dead process's
+// names and moves verified data to itself.
+int shm_leftover_peer(Channel& ch) {
+  std::vector<std::string> planted;
+  for (int idx = 0; idx < 4; idx++) {
+    const std::string name = "/" + std::to_string(getpid()) + ":" + std::to_string(getuid()) + ":" + std::to_string(idx);
+    int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return ch.send_str("cannot plant " + name + ": " + strerror(errno)), 2;
+    if (ftruncate(fd, 1 << 20) != 0) return ch.send_str(std::string("ftruncate: ") + strerror(errno)), 2;
+    close(fd);
+    planted.push_back(name);
+  }
+  auto unplant = [&] {
+    for (const auto& n : planted) shm_unlink(n.c_str());
+  };
+  PageBuffer src_buf(kLen), dst_buf(kLen);
+  std::string verdict;
+  {
+    EngineOptions o;
+    o.config = global_config();
+    o.config.backend = BackendChoice::kFabric;
+    o.config.fabric_provider = "shm";
+    o.config.ctrl_addr = "127.0.0.1";
+    o.config.timeout_ms = 5000;
+    o.groups = {{0}};
+    auto eng = Engine::create(o);
+    if (!eng.ok()) {
+      unplant();
+      return ch.send_str(std::string("engine: ") + eng.status().message()), 3;
+    }
+    Engine& e = **eng;
+    memset(dst_buf.p, 0, kLen);
+    auto sm = e.register_memory(0, src_buf.p, kLen);
+    auto dm = e.register_memory(0, dst_buf.p, kLen);
+    auto self = e.connect(0, e.address(0));
+    if (!sm.ok() || !dm.ok()) verdict = "registration failed";
+    else if (!self.ok() || !wait_ready(e, *self, 20s)) verdict = "no connection to itself";
+    else verdict = write_verified(e, *self, *sm, src_buf.p, dm->remote(), e, dst_buf.p, 43);
+    if (sm.ok()) (void)e.deregister(*sm);
+    if (dm.ok()) (void)e.deregister(*dm);
+  }
+  unplant();
+  ch.send_str(verdict);
+  return 0;
+}
+
+TEST(ShmLeftovers, RegionsOfADeadProcessWithOurPidAreSteppedOver) {
+  if (verbs()) GTEST_SKIP() << "libfabric shm only (this run is the verbs backend's)";
+  PeerProcess p({"shm-leftover"});
+  std::string verdict;
+  ASSERT_TRUE(p.channel().recv_str(&verdict, 60000)) << "the process died";
+  EXPECT_EQ(verdict, "ok") << "an engine born under a dead process's shm names";
+  EXPECT_EQ(p.wait_exit(30000), 0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   setenv("FI_TCP_IFACE", "lo", 0);
   if (argc >= 3 && std::string(argv[1]) == "--ponte-peer") {
     Channel ch(3);
-    return std::string(argv[2]) == "memlock" ? memlock_peer(ch) : fd_peer(ch);
+    const std::string role = argv[2];
+    if (role == "memlock") return memlock_peer(ch);
+    if (role == "shm-leftover") return shm_leftover_peer(ch);
+    return fd_peer(ch);
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
