@@ -194,6 +194,8 @@ class NicGroup {
     bool worked = false;
     std::chrono::steady_clock::time_point last_house;
     uint64_t poll_calls_seen = 0;
+    bool poller_active = false;  // a thread called progress() before poller_until
+    std::chrono::steady_clock::time_point poller_until;
   };
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
   bool polled_here() const;              // this thread called progress() on this group last

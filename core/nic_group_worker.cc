@@ -183,7 +183,7 @@ void NicGroup::run() {
       // Announced before the last look at the queue: a submission after it sees sleeping_ and
       // wakes us (a poller's own is started by its next progress() call).
       sleeping_.store(true, std::memory_order_seq_cst);
-      if (queue_.front() != nullptr) sleep_us = 0;
+      if (queue_.front() != nullptr && !st.poller_active) sleep_us = 0;  // else the poller starts it
     }
     release_token();
     if (sleep) sleep_idle(sleep_us);
@@ -194,6 +194,34 @@ void NicGroup::run() {
 }
 
 uint32_t NicGroup::worker_pass(PassState& st) {
+  // A thread polling this group (progress() within the last kPollerHoldUs) moves the data itself,
+  // as NCCL's proxy does inside test(): the worker leaves it the data path (one thread driving
+  // the provider, not two taking turns at the token and the cores) and keeps only what the poller
+  // does not do: control sockets, liveness and timeouts, every kPollerBackoffUs. It takes the data
+  // path back once the polling has stopped for kPollerHoldUs. Where pollers only reap (shm) the
+  // worker still starts and posts what is submitted.
+  if (pollers_post_) {
+    const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
+    if (calls != st.poll_calls_seen) {
+      st.poll_calls_seen = calls;
+      st.poller_until = Clock::now() + std::chrono::microseconds(kPollerHoldUs);
+      st.poller_active = true;
+    }
+    if (st.poller_active) {
+      const auto now = Clock::now();
+      if (now < st.poller_until) {
+        now_ = now;
+        if (now - st.last_house >= std::chrono::microseconds(100)) {
+          housekeeping(now);
+          st.last_house = now;
+        }
+        st.idle_us = kPollerBackoffUs;
+        return kPollerBackoffUs;
+      }
+      st.poller_active = false;  // the polling stopped: the worker moves the data again
+      st.idle_us = 0;
+    }
+  }
   in_drain_ = true;
   bool did = drain_queue();
   in_drain_ = false;
