@@ -79,6 +79,17 @@ def decode(conn, args):
     eng.close()
 
 
+
+def recv_from(conn, proc, what, timeout_s=300):
+    """The next message from a child process, or a clear exit if it died or went silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            sys.exit(f"{os.path.basename(sys.argv[0])}: the {what} process died (exit code {proc.exitcode})")
+        if time.monotonic() > deadline:
+            sys.exit(f"{os.path.basename(sys.argv[0])}: no word from the {what} process within {timeout_s} s")
+    return conn.recv()
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--provider", default="tcp;ofi_rxm", help="libfabric provider (tcp;ofi_rxm, shm, efa, ...)")
@@ -96,7 +107,7 @@ def main():
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=decode, args=(child, args), daemon=True)
     proc.start()
-    addr, remote, dec_blocks = conn.recv()
+    addr, remote, dec_blocks = recv_from(conn, proc, "decode")
 
     eng = ponte.Engine(provider=args.provider)
     cache = np.empty((args.layers, args.blocks, page), dtype=np.uint8)
@@ -110,11 +121,11 @@ def main():
     for req in range(args.requests):
         src_blocks = list(range(req * per_req, (req + 1) * per_req))
         conn.send(src_blocks)
-        dst_blocks = conn.recv()
+        dst_blocks = recv_from(conn, proc, "decode")
         src_pages = np.array([l * args.blocks + b for l in range(args.layers) for b in src_blocks], np.uint32)
         dst_pages = np.array([l * dec_blocks + d for l in range(args.layers) for d in dst_blocks], np.uint32)
         eng.paged_write(peer, reg, src_pages, remote, dst_pages, page, imm=1000 + req).wait(60)
-    bad, pages, t_decode = conn.recv()
+    bad, pages, t_decode = recv_from(conn, proc, "decode")
     nbytes = pages * page
 
     # The engine's plain write bandwidth in the same run: the same bytes as page-sized writes,

@@ -124,6 +124,17 @@ def trainer(conn, args, rank, mine):
     eng.close()
 
 
+
+def recv_from(conn, proc, what, timeout_s=300):
+    """The next message from a child process, or a clear exit if it died or went silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            sys.exit(f"{os.path.basename(sys.argv[0])}: the {what} process died (exit code {proc.exitcode})")
+        if time.monotonic() > deadline:
+            sys.exit(f"{os.path.basename(sys.argv[0])}: no word from the {what} process within {timeout_s} s")
+    return conn.recv()
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--provider", default="tcp;ofi_rxm")
@@ -151,10 +162,10 @@ def main():
         p = ctx.Process(target=trainer, args=(b, args, k, mine), daemon=True)
         p.start()
         trs.append((a, p))
-    descs = [c.recv() for c, _ in reps]
+    descs = [recv_from(c, p, "replica") for c, p in reps]
     for c, _ in trs:
         c.send(descs)
-    counts = [c.recv() for c, _ in trs]
+    counts = [recv_from(c, p, "trainer") for c, p in trs]
     per_replica = [sum(cs[m] for cs in counts) for m in range(args.replicas)]
 
     model_bytes = sum(t["nbytes"] for t in tensors)
@@ -167,16 +178,16 @@ def main():
         for c, _ in trs:
             c.send(("train", version))
         expected = {}
-        for c, _ in trs:
-            expected.update(c.recv())
+        for c, p in trs:
+            expected.update(recv_from(c, p, "trainer"))
         for m, (c, _) in enumerate(reps):
             c.send(("update", version, per_replica[m], expected))
         t_go = time.monotonic()
         for c, _ in trs:
             c.send(("push", version))
-        for c, _ in trs:
-            c.recv()
-        results = [c.recv() for c, _ in reps]
+        for c, p in trs:
+            recv_from(c, p, "trainer")
+        results = [recv_from(c, p, "replica") for c, p in reps]
         dt = max(t for t, _ in results) - t_go
         t_all += dt
         bad = sum(len(b) for _, b in results)
