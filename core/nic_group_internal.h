@@ -27,7 +27,7 @@ inline constexpr size_t kImmTableSize = 1 << 16;
 // the poller moves the data, the worker keeps control sockets, liveness and timeouts going.
 inline constexpr uint32_t kPollerBackoffUs = 50;
 // How long after a thread's last progress() call the worker leaves the data path to it.
-inline constexpr uint32_t kPollerHoldUs = 1000;
+inline constexpr uint32_t kPollerHoldUs = 200;
 inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 
 }  // namespace ponte

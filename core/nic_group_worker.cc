@@ -242,19 +242,15 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     housekeeping(now);
     st.last_house = now;
   }
-  // A thread polling this group (progress() called since the last look) moves the data itself
-  // while the worker sleeps: the worker backs off instead of spinning beside it for the CPU, and
-  // spins again once the polling stops.
-  const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
-  const bool poller = calls != st.poll_calls_seen;
-  st.poll_calls_seen = calls;
-  const bool busy = !poller && (active_count_ > 0 || imm_.waiting() > 0 ||
-                                now - last_activity_ < std::chrono::microseconds(cfg_.spin_us));
+  // (A poller that may post has the data path to itself: see the top. Where pollers only reap,
+  // shm, the worker posts everything, so it spins as if nobody polled: backing off for the poller
+  // would make every submission wait out the worker's sleep.)
+  const bool busy = active_count_ > 0 || imm_.waiting() > 0 ||
+                    now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
   if (did || busy) {
     st.idle_us = 0;
     return 0;
   }
-  if (poller) return st.idle_us = kPollerBackoffUs;
   // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
   // move incoming data), waking at once for a submission or a control message.
   st.idle_us = st.idle_us ? std::min<uint32_t>(st.idle_us * 2, 50) : 1;
