@@ -13,6 +13,7 @@
 #include "core/engine.h"
 #include "core/group_address.h"
 #include "tests/common/peer_process.h"
+#include "tests/common/region_peer.h"
 #include "tests/common/setups.h"
 
 using namespace ponte;
@@ -201,33 +202,10 @@ int run_peer(int argc, char** argv) {
 
 // ---------------------------------------------------------------- the test side
 
-class Peer {
+// The peer process of these tests: its address and region, then commands (tests/common/region_peer.h).
+class Peer : public RegionPeer {
  public:
-  Peer(const Setup& s, int nics) : proc_({s.name, std::to_string(nics)}) {}
-  bool start(std::string* err) {
-    std::vector<uint8_t> a, r;
-    if (!proc_.channel().recv(&a, 30000)) return (*err = "peer sent no address", false);
-    if (!proc_.channel().recv(&r, 30000)) return (*err = "peer sent no region", false);
-    addr_ = a;
-    auto rr = RemoteRegion::decode(r);
-    if (!rr.ok()) return (*err = std::string(a.begin(), a.end()), false);
-    region_ = *rr;
-    return true;
-  }
-  std::string cmd(const std::string& c, int timeout_ms = 60000) {
-    if (!proc_.channel().send_str(c)) return "peer gone";
-    std::string reply;
-    if (!proc_.channel().recv_str(&reply, timeout_ms)) return "no reply to '" + c + "'";
-    return reply;
-  }
-  const std::vector<uint8_t>& address() const { return addr_; }
-  const RemoteRegion& region() const { return region_; }
-  PeerProcess& process() { return proc_; }
-
- private:
-  PeerProcess proc_;
-  std::vector<uint8_t> addr_;
-  RemoteRegion region_;
+  Peer(const Setup& s, int nics) : RegionPeer({s.name, std::to_string(nics)}) {}
 };
 
 class EngineTest : public ::testing::TestWithParam<Setup> {

@@ -16,6 +16,7 @@
 #include "core/engine.h"
 #include "tests/common/pattern.h"
 #include "tests/common/peer_process.h"
+#include "tests/common/region_peer.h"
 #include "tests/faults/lab.h"
 
 using namespace ponte;
@@ -161,27 +162,11 @@ int run_peer(int argc, char** argv) {
 
 // ---------------------------------------------------------------- node a (this process)
 
-class Peer {
+class Peer : public RegionPeer {
  public:
-  explicit Peer(uint32_t timeout_ms) : proc_({std::to_string(timeout_ms)}) {}
-  bool start(std::string* err) {
-    std::vector<uint8_t> a, r;
-    if (!proc_.channel().recv(&a, 30000)) return (*err = "the peer sent no address", false);
-    if (!proc_.channel().recv(&r, 30000)) return (*err = "the peer sent no region", false);
-    auto rr = RemoteRegion::decode(r);
-    if (!rr.ok()) return (*err = std::string(a.begin(), a.end()), false);
-    addr_ = a;
-    region_ = *rr;
-    return true;
-  }
-  std::string cmd(const std::string& c, int timeout_ms = 300000) {
-    if (!proc_.channel().send_str(c)) return "peer gone";
-    std::string reply;
-    if (!proc_.channel().recv_str(&reply, timeout_ms)) return "no reply to '" + c + "'";
-    return reply;
-  }
-  const std::vector<uint8_t>& address() const { return addr_; }
-  const RemoteRegion& region() const { return region_; }
+  explicit Peer(uint32_t timeout_ms) : RegionPeer({std::to_string(timeout_ms)}) {}
+  // Commands move tens of MiB through an impaired link: up to 5 minutes each.
+  std::string cmd(const std::string& c, int timeout_ms = 300000) { return RegionPeer::cmd(c, timeout_ms); }
   // Tells the peer to shut its engine down; its exit status (-1: killed by a signal or no exit).
   int finish() {
     if (done_) return status_;
@@ -193,9 +178,6 @@ class Peer {
  private:
   bool done_ = false;
   int status_ = -1;
-  PeerProcess proc_;
-  std::vector<uint8_t> addr_;
-  RemoteRegion region_;
 };
 
 struct Counter {

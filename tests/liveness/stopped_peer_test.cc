@@ -18,6 +18,7 @@
 
 #include "core/engine.h"
 #include "tests/common/peer_process.h"
+#include "tests/common/region_peer.h"
 #include "tests/common/setups.h"
 #include "tests/liveness/timing.h"
 
@@ -226,18 +227,14 @@ int run_peer(int argc, char** argv) {
 
 // ---------------------------------------------------------------- the test side
 
-class Peer {
+class Peer : public RegionPeer {
  public:
-  explicit Peer(const Setup& s) : proc_({"peer", s.name}) {}
+  explicit Peer(const Setup& s) : RegionPeer({"peer", s.name}) {}
   // Connects our group to the peer and tells it our region there (its writes land in it).
   void connect(Engine& eng, int group, const RemoteRegion& parent_region) {
     if (addr_.empty()) {
-      std::vector<uint8_t> r;
-      ASSERT_TRUE(proc_.channel().recv(&addr_, 30000)) << "the peer sent no address";
-      ASSERT_TRUE(proc_.channel().recv(&r, 30000)) << std::string(addr_.begin(), addr_.end());
-      auto rr = RemoteRegion::decode(r);
-      ASSERT_TRUE(rr.ok()) << rr.status().message();
-      region_ = *rr;
+      std::string err;
+      ASSERT_TRUE(start(&err)) << err;
     }
     auto id = eng.connect(group, addr_);
     ASSERT_TRUE(id.ok()) << id.status().message();
@@ -249,23 +246,9 @@ class Peer {
     ASSERT_TRUE(proc_.channel().send(parent_region.encode()));
     ASSERT_EQ(reply(), "ok " + std::to_string(ids_.size() - 1));
   }
-  std::string cmd(const std::string& c, int timeout_ms = 60000) {
-    if (!send(c)) return "peer gone";
-    return reply(timeout_ms);
-  }
-  bool send(const std::string& c) { return proc_.channel().send_str(c); }
-  std::string reply(int timeout_ms = 60000) {
-    std::string r;
-    return proc_.channel().recv_str(&r, timeout_ms) ? r : "no reply";
-  }
   PeerId id(size_t k = 0) const { return ids_[k]; }  // our k-th group's connection to it
-  const RemoteRegion& region() const { return region_; }
-  PeerProcess& process() { return proc_; }
 
  private:
-  PeerProcess proc_;
-  std::vector<uint8_t> addr_;
-  RemoteRegion region_;
   std::vector<PeerId> ids_;
 };
 
