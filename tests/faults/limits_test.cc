@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "core/engine.h"
+#include "tests/common/page_buffer.h"
 #include "tests/common/pattern.h"
 #include "tests/common/peer_process.h"
 
@@ -32,15 +33,6 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr size_t kLen = 8u << 20;
-
-// Page-aligned memory for a peer's registrations, declared before its engine so it outlives it.
-struct PageBuffer {
-  explicit PageBuffer(size_t len) : p(static_cast<uint8_t*>(aligned_alloc(4096, len))) {}
-  ~PageBuffer() { free(p); }
-  PageBuffer(const PageBuffer&) = delete;
-  PageBuffer& operator=(const PageBuffer&) = delete;
-  uint8_t* p;
-};
 
 bool verbs() {
   const char* b = getenv("PONTE_TEST_BACKEND");

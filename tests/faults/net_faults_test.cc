@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/engine.h"
+#include "tests/common/page_buffer.h"
 #include "tests/common/pattern.h"
 #include "tests/common/peer_process.h"
 #include "tests/common/region_peer.h"
@@ -66,9 +67,8 @@ struct RecvState {
 int run_peer(int argc, char** argv) {
   Channel ch(3);
   if (argc < 3 || !Lab::get().enter('b')) return ch.send_str("cannot enter node b"), 2;
-  // Freed after the engine (declared before it), so ASan's leak check stays quiet in this process.
-  std::unique_ptr<uint8_t, decltype(&free)> page_buf(static_cast<uint8_t*>(aligned_alloc(4096, kRegion)), &free);
-  uint8_t* buf = page_buf.get();
+  PageBuffer page_buf(kRegion);  // outlives the engine
+  uint8_t* buf = page_buf.p;
   auto eng = make_engine('b', static_cast<uint32_t>(atoi(argv[2])));
   if (!eng.ok()) return ch.send_str(std::string("engine: ") + eng.status().message()), 3;
   Engine& e = **eng;
