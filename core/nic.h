@@ -32,6 +32,9 @@ struct NicInfo {
   // Each write lands in order per aligned 128-byte line, so NCCL's LL128 lines arrive whole
   // (verbs RC; EFA once FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES is granted on the endpoint).
   bool write_ordered_128 = false;
+  // A post can wait, without bound, on the peer process itself (libfabric's shm takes a lock in
+  // the peer's shared memory): only the group's worker posts then, never a polling thread.
+  bool post_may_block_on_peer = false;
 };
 
 enum class MemKind : uint8_t { kHost = 0, kCuda = 1 };

@@ -80,14 +80,15 @@ bool NicGroup::poll_nics() {
 
 // ---- the progress token
 
-// Whether a thread that polls may post on these NICs. libfabric's shm posts by taking a lock in
-// the peer's shared memory, which a stopped peer may hold for good: a post can then never return,
-// and the thread making it never returns either. The worker may be that thread (the watchdog turns
-// it into errors); a poller, the application's own thread (NCCL's proxy inside test()), must not
-// be: there it only reaps completions, and the worker starts and posts what is submitted.
+// Whether a thread that polls may post on these NICs. Where a post can wait on the peer process
+// itself (NicInfo::post_may_block_on_peer: shm takes a lock in the peer's shared memory, which a
+// stopped peer may hold for good), a post may never return, nor the thread making it. The worker
+// may be that thread (the watchdog turns it into errors); a poller, the application's own thread
+// (NCCL's proxy inside test()), must not be: there it only reaps completions, and the worker
+// starts and posts what is submitted.
 bool NicGroup::pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics) {
   for (const auto& n : nics)
-    if (n->info().provider == "shm") return false;
+    if (n->info().post_may_block_on_peer) return false;
   return true;
 }
 

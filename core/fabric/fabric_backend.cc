@@ -45,6 +45,7 @@ NicInfo describe(const struct fi_info& info) {
   NicInfo out;
   out.name = info.domain_attr->name ? info.domain_attr->name : "";
   out.provider = info.fabric_attr->prov_name ? info.fabric_attr->prov_name : "";
+  out.post_may_block_on_peer = out.provider == "shm";  // it spins on a lock in the peer's memory
   if (info.nic != nullptr && info.nic->bus_attr != nullptr &&
       info.nic->bus_attr->bus_type == FI_BUS_PCI) {
     const struct fi_pci_attr& pci = info.nic->bus_attr->attr.pci;
