@@ -192,6 +192,7 @@ class NicGroup {
     uint32_t idle_us = 0;
     uint32_t iter = 0;
     bool worked = false;
+    bool did = true;  // the last full pass moved something (else a spinning worker yields)
     std::chrono::steady_clock::time_point last_house;
     uint64_t poll_calls_seen = 0;
     bool poller_active = false;  // a thread called progress() before poller_until

@@ -19,7 +19,13 @@ void NicGroup::sleep_idle(uint32_t us) {
     epoll_event ev;
     timespec ts{0, static_cast<long>(us) * 1000};
     int n = epoll_pwait2(epoll_fd_, &ev, 1, &ts, nullptr);
-    (void)n;  // whatever woke us is serviced by the next housekeeping pass
+    // A submission's wake-up is drained here, not at the next housekeeping pass (up to 100 us
+    // away): the eventfd, level-triggered, would end every sleep until then at once, a spin in
+    // disguise. Whatever else woke us is serviced by the next housekeeping pass.
+    if (n == 1 && ev.data.u64 == kWakeTag) {
+      uint64_t v;
+      if (read(wake_fd_, &v, sizeof(v)) < 0) { /* drained already */ }
+    }
   }
   sleeping_.store(false, std::memory_order_relaxed);
 }
@@ -184,10 +190,21 @@ void NicGroup::run() {
       // Announced before the last look at the queue: a submission after it sees sleeping_ and
       // wakes us (a poller's own is started by its next progress() call).
       sleeping_.store(true, std::memory_order_seq_cst);
-      if (queue_.front() != nullptr && !st.poller_active) sleep_us = 0;  // else the poller starts it
+      // Work queued meanwhile: no sleep, unless a poller that may post starts it.
+      if (queue_.front() != nullptr && (!st.poller_active || !pollers_post_)) sleep_us = 0;
     }
     release_token();
-    if (sleep) sleep_idle(sleep_us);
+    if (sleep) {
+      sleep_idle(sleep_us);
+    } else if (!st.did && (st.iter & 7u) == 0) {
+      // Spinning idle (the spin window, or waiting on the peer), every 8th pass (the one that
+      // reads the clock; a yield costs a syscall, 1-2 us on a VM, and an arrival during it
+      // waits): a thread that shares this core (the application's, another process's worker)
+      // gets it now rather than at the scheduler's next tick. Alone on its core, the yield
+      // returns at once. On two cores with two ranks, MoE dispatch+combine (H 128) went from
+      // 1100 to 120 us with it.
+      std::this_thread::yield();
+    }
   }
   // linger, then stop(), own the group from here on; unless it is wedged (a poller stuck inside a
   // provider call holds the token): then the watchdog does.
@@ -199,35 +216,51 @@ uint32_t NicGroup::worker_pass(PassState& st) {
   // as NCCL's proxy does inside test(): the worker leaves it the data path (one thread driving
   // the provider, not two taking turns at the token and the cores) and keeps only what the poller
   // does not do: control sockets, liveness and timeouts, every kPollerBackoffUs. It takes the data
-  // path back once the polling has stopped for kPollerHoldUs. Where pollers only reap (shm) the
-  // worker still starts and posts what is submitted.
-  if (pollers_post_) {
-    const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
-    if (calls != st.poll_calls_seen) {
-      st.poll_calls_seen = calls;
-      st.poller_until = Clock::now() + std::chrono::microseconds(kPollerHoldUs);
-      st.poller_active = true;
-    }
-    if (st.poller_active) {
-      const auto now = Clock::now();
-      if (now < st.poller_until) {
-        now_ = now;
-        if (now - st.last_house >= std::chrono::microseconds(100)) {
-          housekeeping(now);
-          st.last_house = now;
-        }
-        st.idle_us = kPollerBackoffUs;
-        return kPollerBackoffUs;
+  // path back once the polling has stopped for kPollerHoldUs. Where pollers only reap (shm), the
+  // worker still starts and posts what is submitted, but leaves the reaping to the poller and
+  // sleeps once nothing is left to post: each submission wakes it at once (NicGroup::submit),
+  // and a worker spinning beside the poller takes the core the poller needs to submit (three
+  // busy threads on two cores: a Python wait paid 60 us per 64 KiB write on shm, where the
+  // worker's own chain of writes costs 7 us).
+  const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
+  if (calls != st.poll_calls_seen) {
+    st.poll_calls_seen = calls;
+    st.poller_until = Clock::now() + std::chrono::microseconds(kPollerHoldUs);
+    st.poller_active = true;
+  }
+  if (st.poller_active) {
+    const auto now = Clock::now();
+    if (now < st.poller_until) {
+      now_ = now;
+      bool posted = false;
+      if (!pollers_post_) {
+        in_drain_ = true;
+        posted = drain_queue();
+        in_drain_ = false;
+        if (run_head_ != kNoSlot) posted |= post_runnable();
       }
-      st.poller_active = false;  // the polling stopped: the worker moves the data again
-      st.idle_us = 0;
+      if (now - st.last_house >= std::chrono::microseconds(100)) {
+        housekeeping(now);
+        st.last_house = now;
+      }
+      st.did = posted;
+      if (posted) {
+        last_activity_ = now;
+        st.idle_us = 0;
+        return 0;
+      }
+      st.idle_us = kPollerBackoffUs;
+      return kPollerBackoffUs;
     }
+    st.poller_active = false;  // the polling stopped: the worker moves the data again
+    st.idle_us = 0;
   }
   in_drain_ = true;
   bool did = drain_queue();
   in_drain_ = false;
   if (run_head_ != kNoSlot) did |= post_runnable();
   did |= poll_nics();
+  st.did = did;
   st.worked |= did;
   if (did) st.idle_us = 0;
   // The clock is read every 64th pass while working and every 8th while spinning idle: a
@@ -243,9 +276,6 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     housekeeping(now);
     st.last_house = now;
   }
-  // (A poller that may post has the data path to itself: see the top. Where pollers only reap,
-  // shm, the worker posts everything, so it spins as if nobody polled: backing off for the poller
-  // would make every submission wait out the worker's sleep.)
   const bool busy = active_count_ > 0 || imm_.waiting() > 0 ||
                     now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
   if (did || busy) {
