@@ -21,13 +21,20 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
     if (s.open()) epoll_del(s.fd());
     s.close();
   }
-  // Every operation toward the peer ends through its error path.
+  // Every operation toward the peer ends through its error path. After an orderly close, only
+  // those not yet wholly on the wire: a peer says goodbye once it has what it waited for, so
+  // writes it received may still be completing here (shm and rxm report them after the peer's
+  // side has moved them; the goodbye, on the control socket, can come first). Those keep the
+  // grace period below to complete, and fail at its end if they did not (end_drains).
+  const bool orderly = p.orderly_close && code == Code::kPeerDead;
   for (uint32_t s = active_head_; s != kNoSlot;) {
     uint32_t next = slots_[s].next;
-    if (slot_uses_peer(slots_[s], id)) fail_slot(s, code, why);
+    const Slot& sl = slots_[s];
+    const bool on_wire = !sl.runnable && sl.next_shard >= sl.shards && sl.outstanding > 0;
+    if (slot_uses_peer(sl, id) && !(orderly && on_wire)) fail_slot(s, code, why);
     s = next;
   }
-  if (p.orderly_close && code == Code::kPeerDead) {
+  if (orderly) {
     // Its goodbye travels on the control socket and can overtake its last writes (completed at
     // the peer, still on the wire): keep its connection and counters a grace period longer.
     p.draining.store(true, std::memory_order_release);
@@ -45,6 +52,11 @@ void NicGroup::end_drains(Clock::time_point now) {
     Peer& p = peers_[i];
     if (!p.draining.load(std::memory_order_relaxed) || now < p.drain_deadline) continue;
     draining_--;
+    for (uint32_t s = active_head_; s != kNoSlot;) {  // its writes that never completed
+      uint32_t next = slots_[s].next;
+      if (slot_uses_peer(slots_[s], i)) fail_slot(s, Code::kPeerDead, "the peer closed its engine before this completed");
+      s = next;
+    }
     reset_backend_peer(i);
     imm_.fail_from(i, Status(Code::kPeerDead, "peer %u closed its engine before these arrived", i));
     p.draining.store(false, std::memory_order_release);  // now peer_dead() says so
