@@ -38,21 +38,34 @@ void FlagSet::refused(int rank, const Status& st) {
 }
 
 Status FlagSet::wait(Communicator::Impl& c, const char* what) {
-  // Spin briefly, then sleep in growing steps: ranks may share cores.
-  auto start = std::chrono::steady_clock::now();
+  // The waiting thread moves the data itself (Engine::progress, as NCCL's proxy does in test()):
+  // the engine's worker then leaves it the data path instead of spinning beside it for the core,
+  // and no completion needs a wake-up across threads. It yields after a pass that moved nothing;
+  // after kPollWindow without progress it sleeps in growing steps (ranks may share cores, a
+  // straggler may be computing), still polling between sleeps.
+  constexpr auto kPollWindow = std::chrono::milliseconds(1);
+  Engine& eng = *c.engine;
+  auto idle_since = std::chrono::steady_clock::now();
   int bad = -1;
   Status first;
   int first_rank = -1;
   for (size_t i = 0; i < used_; i++) {
-    unsigned spins = 0;
+    unsigned idle = 0;
     while (!flags_[i].done()) {
-      if (++spins < 256) {
-        std::this_thread::yield();
-      } else {
-        auto waited = std::chrono::steady_clock::now() - start;
-        std::this_thread::sleep_for(waited < std::chrono::milliseconds(2) ? std::chrono::microseconds(5)
-                                                                         : std::chrono::microseconds(50));
+      if (eng.progress(c.group)) {
+        idle = 0;
+        continue;
       }
+      if (++idle < 64 || (idle & 15u) != 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      auto now = std::chrono::steady_clock::now();
+      if (idle == 64) idle_since = now;
+      auto idle_for = now - idle_since;
+      if (idle_for >= kPollWindow)
+        std::this_thread::sleep_for(idle_for < 2 * kPollWindow ? std::chrono::microseconds(5)
+                                                               : std::chrono::microseconds(50));
     }
     const Status& st = flags_[i].status();
     if (!st.ok() && (first.ok() || (st.code() == Code::kPeerDead && first.code() != Code::kPeerDead))) {
