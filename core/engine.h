@@ -205,8 +205,9 @@ class Engine {
   // at a time per group (a try-lock; the worker never waits behind more than one pass); control
   // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
   // and takes over again when the polling stops. Never blocks or allocates; false when it did
-  // nothing (the worker is running, or there was nothing to do). A thread that calls it may skip
-  // the worker's wake-up when it submits: the worker still finds its work within 50 us. On shm it
+  // nothing (the worker is running, or there was nothing to do). A thread that called it within
+  // the last 200 us skips the worker's wake-up when it submits (its next call starts the work);
+  // other submissions wake the worker. On shm it
   // only reaps: a post there can block for good on a stopped peer's lock, so the worker makes them.
   bool progress(int group);
 

@@ -101,10 +101,14 @@ bool NicGroup::pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics) {
 namespace {
 thread_local const NicGroup* tls_holder = nullptr;  // the group whose token this thread holds
 thread_local const NicGroup* tls_poller = nullptr;  // the group this thread last polled
+thread_local Clock::time_point tls_polled_at;        // and when
 }  // namespace
 
 bool NicGroup::on_worker() const { return tls_holder == this; }
-bool NicGroup::polled_here() const { return tls_poller == this; }
+// This thread polls this group: it called progress() on it last, within kPollerHoldUs.
+bool NicGroup::polled_here() const {
+  return tls_poller == this && Clock::now() - tls_polled_at < std::chrono::microseconds(kPollerHoldUs);
+}
 
 bool NicGroup::take_token() {
   if (token_.load(std::memory_order_relaxed) || token_.exchange(true, std::memory_order_acquire))
@@ -129,6 +133,7 @@ void NicGroup::release_token() {
 bool NicGroup::progress() {
   if (tls_holder != nullptr) return false;  // from a callback: its thread is mid-pass already
   tls_poller = this;
+  tls_polled_at = Clock::now();
   poll_calls_.store(poll_calls_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   // Only when the worker sleeps, or ran no pass since the last call (it is not getting the CPU):
   // a worker that runs anyway does the work, without two threads bouncing its state.
@@ -179,9 +184,12 @@ void NicGroup::run() {
     // Counted before taking the token: a poller that sees the count move steps aside on its next
     // call, so the worker is never starved of the token, and never waits for one either.
     passes_.store(passes_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    if (!take_token()) {  // a poller is mid-pass: it moves the data, the worker leaves it the CPU
+    if (!take_token()) {
+      // A poller is mid-pass: it moves the data, the worker leaves it the CPU, with the same
+      // growing sleep as between its own passes while somebody polls (worker_pass).
+      st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
       sleeping_.store(true, std::memory_order_seq_cst);
-      sleep_idle(kPollerBackoffUs);
+      sleep_idle(st.idle_us);
       continue;
     }
     uint32_t sleep_us = worker_pass(st);
@@ -215,7 +223,8 @@ uint32_t NicGroup::worker_pass(PassState& st) {
   // A thread polling this group (progress() within the last kPollerHoldUs) moves the data itself,
   // as NCCL's proxy does inside test(): the worker leaves it the data path (one thread driving
   // the provider, not two taking turns at the token and the cores) and keeps only what the poller
-  // does not do: control sockets, liveness and timeouts, every kPollerBackoffUs. It takes the data
+  // does not do: control sockets, liveness and timeouts, sleeping kPollerBackoffUs and doubling up
+  // to kPollerSleepMaxUs in between (nic_group_internal.h). It takes the data
   // path back once the polling has stopped for kPollerHoldUs. Where pollers only reap (shm), the
   // worker still starts and posts what is submitted, but leaves the reaping to the poller and
   // sleeps once nothing is left to post: each submission wakes it at once (NicGroup::submit),
@@ -249,8 +258,8 @@ uint32_t NicGroup::worker_pass(PassState& st) {
         st.idle_us = 0;
         return 0;
       }
-      st.idle_us = kPollerBackoffUs;
-      return kPollerBackoffUs;
+      st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
+      return st.idle_us;
     }
     st.poller_active = false;  // the polling stopped: the worker moves the data again
     st.idle_us = 0;
