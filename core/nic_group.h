@@ -192,7 +192,7 @@ class NicGroup {
     uint32_t idle_us = 0;
     uint32_t iter = 0;
     bool worked = false;
-    bool did = true;  // the last full pass moved something (else a spinning worker yields)
+    bool yield_now = false;  // spinning idle long enough: yield the core after this pass
     std::chrono::steady_clock::time_point last_house;
     uint64_t poll_calls_seen = 0;
     bool poller_active = false;  // a thread called progress() before poller_until

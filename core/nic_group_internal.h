@@ -34,6 +34,8 @@ inline constexpr uint32_t kPollerBackoffUs = 50;
 inline constexpr uint32_t kPollerSleepMaxUs = 500;
 // How long after a thread's last progress() call the worker leaves the data path to it.
 inline constexpr uint32_t kPollerHoldUs = 200;
+// How long a spinning worker with nothing to do keeps its core before it starts yielding it.
+inline constexpr uint32_t kSpinYieldAfterUs = 20;
 inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 
 }  // namespace ponte

@@ -204,14 +204,9 @@ void NicGroup::run() {
     release_token();
     if (sleep) {
       sleep_idle(sleep_us);
-    } else if (!st.did && (st.iter & 7u) == 0) {
-      // Spinning idle (the spin window, or waiting on the peer), every 8th pass (the one that
-      // reads the clock; a yield costs a syscall, 1-2 us on a VM, and an arrival during it
-      // waits): a thread that shares this core (the application's, another process's worker)
-      // gets it now rather than at the scheduler's next tick. Alone on its core, the yield
-      // returns at once. On two cores with two ranks, MoE dispatch+combine (H 128) went from
-      // 1100 to 120 us with it.
-      std::this_thread::yield();
+    } else if (st.yield_now) {
+      st.yield_now = false;
+      std::this_thread::yield();  // see worker_pass
     }
   }
   // linger, then stop(), own the group from here on; unless it is wedged (a poller stuck inside a
@@ -252,7 +247,6 @@ uint32_t NicGroup::worker_pass(PassState& st) {
         housekeeping(now);
         st.last_house = now;
       }
-      st.did = posted;
       if (posted) {
         last_activity_ = now;
         st.idle_us = 0;
@@ -269,7 +263,6 @@ uint32_t NicGroup::worker_pass(PassState& st) {
   in_drain_ = false;
   if (run_head_ != kNoSlot) did |= post_runnable();
   did |= poll_nics();
-  st.did = did;
   st.worked |= did;
   if (did) st.idle_us = 0;
   // The clock is read every 64th pass while working and every 8th while spinning idle: a
@@ -289,6 +282,14 @@ uint32_t NicGroup::worker_pass(PassState& st) {
                     now - last_activity_ < std::chrono::microseconds(cfg_.spin_us);
   if (did || busy) {
     st.idle_us = 0;
+    // Spinning with nothing to do for kSpinYieldAfterUs (waiting on a peer, or a rank that
+    // computes): yield the core every 8th pass (this one, which reads the clock), so that a
+    // thread sharing it (the application's, another process's worker) runs now rather than at
+    // the scheduler's next tick; alone on its core the yield returns at once. Not sooner: a
+    // yield costs a syscall (1-2 us on a VM) and an arrival during it waits, which a ping-pong
+    // pays on every message. On two cores with two ranks, MoE dispatch+combine (H 128) went
+    // from 1100 to about 120 us with it.
+    st.yield_now = !did && now - last_activity_ >= std::chrono::microseconds(kSpinYieldAfterUs);
     return 0;
   }
   // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
