@@ -199,6 +199,7 @@ class NicGroup {
     std::chrono::steady_clock::time_point poller_until;
   };
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
+  static uint32_t poller_sleep(PassState& st);  // the next sleep while a thread polls (grows)
   bool polled_here() const;              // this thread called progress() on this group last
   bool take_token();                     // try
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
@@ -243,6 +244,9 @@ class NicGroup {
   void epoll_add(int fd, uint64_t tag);
   void epoll_del(int fd);
   bool slot_uses_peer(const Slot& s, PeerId p) const;
+  // Ends every operation toward peer p with code; keep_on_wire spares those wholly posted and
+  // still completing (an orderly close's grace period).
+  void fail_ops_toward(PeerId p, Code code, const char* why, bool keep_on_wire);
 
   const int index_;
   Config cfg_;

@@ -27,13 +27,7 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
   // side has moved them; the goodbye, on the control socket, can come first). Those keep the
   // grace period below to complete, and fail at its end if they did not (end_drains).
   const bool orderly = p.orderly_close && code == Code::kPeerDead;
-  for (uint32_t s = active_head_; s != kNoSlot;) {
-    uint32_t next = slots_[s].next;
-    const Slot& sl = slots_[s];
-    const bool on_wire = !sl.runnable && sl.next_shard >= sl.shards && sl.outstanding > 0;
-    if (slot_uses_peer(sl, id) && !(orderly && on_wire)) fail_slot(s, code, why);
-    s = next;
-  }
+  fail_ops_toward(id, code, why, orderly);
   if (orderly) {
     // Its goodbye travels on the control socket and can overtake its last writes (completed at
     // the peer, still on the wire): keep its connection and counters a grace period longer.
@@ -52,14 +46,20 @@ void NicGroup::end_drains(Clock::time_point now) {
     Peer& p = peers_[i];
     if (!p.draining.load(std::memory_order_relaxed) || now < p.drain_deadline) continue;
     draining_--;
-    for (uint32_t s = active_head_; s != kNoSlot;) {  // its writes that never completed
-      uint32_t next = slots_[s].next;
-      if (slot_uses_peer(slots_[s], i)) fail_slot(s, Code::kPeerDead, "the peer closed its engine before this completed");
-      s = next;
-    }
+    fail_ops_toward(i, Code::kPeerDead, "the peer closed its engine before this completed", false);
     reset_backend_peer(i);
     imm_.fail_from(i, Status(Code::kPeerDead, "peer %u closed its engine before these arrived", i));
     p.draining.store(false, std::memory_order_release);  // now peer_dead() says so
+  }
+}
+
+void NicGroup::fail_ops_toward(PeerId id, Code code, const char* why, bool keep_on_wire) {
+  for (uint32_t s = active_head_; s != kNoSlot;) {
+    uint32_t next = slots_[s].next;
+    const Slot& sl = slots_[s];
+    const bool on_wire = !sl.runnable && sl.next_shard >= sl.shards && sl.outstanding > 0;
+    if (slot_uses_peer(sl, id) && !(keep_on_wire && on_wire)) fail_slot(s, code, why);
+    s = next;
   }
 }
 

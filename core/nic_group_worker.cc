@@ -187,9 +187,8 @@ void NicGroup::run() {
     if (!take_token()) {
       // A poller is mid-pass: it moves the data, the worker leaves it the CPU, with the same
       // growing sleep as between its own passes while somebody polls (worker_pass).
-      st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
       sleeping_.store(true, std::memory_order_seq_cst);
-      sleep_idle(st.idle_us);
+      sleep_idle(poller_sleep(st));
       continue;
     }
     uint32_t sleep_us = worker_pass(st);
@@ -214,13 +213,20 @@ void NicGroup::run() {
   if (!hold_token()) tls_holder = nullptr;
 }
 
+// kPollerBackoffUs, doubling on each call up to kPollerSleepMaxUs (nic_group_internal.h); a pass
+// that found work resets it (idle_us = 0).
+uint32_t NicGroup::poller_sleep(PassState& st) {
+  st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
+  return st.idle_us;
+}
+
 uint32_t NicGroup::worker_pass(PassState& st) {
   // A thread polling this group (progress() within the last kPollerHoldUs) moves the data itself,
   // as NCCL's proxy does inside test(): the worker leaves it the data path (one thread driving
   // the provider, not two taking turns at the token and the cores) and keeps only what the poller
-  // does not do: control sockets, liveness and timeouts, sleeping kPollerBackoffUs and doubling up
-  // to kPollerSleepMaxUs in between (nic_group_internal.h). It takes the data
-  // path back once the polling has stopped for kPollerHoldUs. Where pollers only reap (shm), the
+  // does not do: control sockets, liveness and timeouts, with growing sleeps in between
+  // (poller_sleep). It takes the data path back once the polling has stopped for kPollerHoldUs.
+  // Where pollers only reap (shm), the
   // worker still starts and posts what is submitted, but leaves the reaping to the poller and
   // sleeps once nothing is left to post: each submission wakes it at once (NicGroup::submit),
   // and a worker spinning beside the poller takes the core the poller needs to submit (three
@@ -252,8 +258,7 @@ uint32_t NicGroup::worker_pass(PassState& st) {
         st.idle_us = 0;
         return 0;
       }
-      st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
-      return st.idle_us;
+      return poller_sleep(st);
     }
     st.poller_active = false;  // the polling stopped: the worker moves the data again
     st.idle_us = 0;
@@ -287,8 +292,9 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     // thread sharing it (the application's, another process's worker) runs now rather than at
     // the scheduler's next tick; alone on its core the yield returns at once. Not sooner: a
     // yield costs a syscall (1-2 us on a VM) and an arrival during it waits, which a ping-pong
-    // pays on every message. On two cores with two ranks, MoE dispatch+combine (H 128) went
-    // from 1100 to about 120 us with it.
+    // pays on every message. On two cores with two ranks, MoE dispatch+combine (ep-bench's small
+    // shape) went from about 1,150-1,350 us to 70-290 us with it and collectives' waits that
+    // run the data path themselves.
     st.yield_now = !did && now - last_activity_ >= std::chrono::microseconds(kSpinYieldAfterUs);
     return 0;
   }
