@@ -14,6 +14,10 @@ namespace ponte {
 void NicGroup::peer_died(PeerId id, Code code, const char* why) {
   Peer& p = peers_[id];
   if (p.state.load(std::memory_order_relaxed) == kDead) return;
+  // Draining is set before the state: a poller that reads kDead must also read draining, or it
+  // would take a peer that closed in order for dead (peer_dead) while its last writes land.
+  const bool orderly = p.orderly_close && code == Code::kPeerDead;
+  if (orderly) p.draining.store(true, std::memory_order_release);
   p.state.store(kDead, std::memory_order_release);
   if (p.orderly_close) PONTE_LOG_INFO("group %d: peer %u closed: %s", index_, id, why);
   else PONTE_LOG_WARN("group %d: peer %u is dead: %s", index_, id, why);
@@ -26,12 +30,10 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
   // writes it received may still be completing here (shm and rxm report them after the peer's
   // side has moved them; the goodbye, on the control socket, can come first). Those keep the
   // grace period below to complete, and fail at its end if they did not (end_drains).
-  const bool orderly = p.orderly_close && code == Code::kPeerDead;
   fail_ops_toward(id, code, why, orderly);
   if (orderly) {
     // Its goodbye travels on the control socket and can overtake its last writes (completed at
     // the peer, still on the wire): keep its connection and counters a grace period longer.
-    p.draining.store(true, std::memory_order_release);
     p.drain_deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
     draining_++;
     return;

@@ -840,9 +840,9 @@ void receive_from_sending_peer(const Net& net, int dev, const std::vector<size_t
     int tags[1] = {0};
     void* mhs[1] = {dst.mh()};
     void* req = nullptr;
-    ASSERT_OK(post_recv(net, recv, 1, data, cap, tags, mhs, &req));
+    ASSERT_EQ(post_recv(net, recv, 1, data, cap, tags, mhs, &req), kSuccess) << s << " bytes";
     int got[8] = {-1};
-    ASSERT_OK(wait_request(net, req, got));
+    ASSERT_EQ(wait_request(net, req, got), kSuccess) << "receive of " << s << " bytes";
     EXPECT_EQ(got[0], static_cast<int>(s));
     EXPECT_EQ(mismatch(dst.data(), s, seed++), SIZE_MAX) << s << " bytes";
   }
