@@ -95,6 +95,7 @@ Result<Config> Config::from_env() {
   int flush_host = 0;
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FLUSH_HOST", 1, &flush_host));
   c.flush_host = flush_host != 0;
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_NET_INLINE", 4096, &c.net_inline));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_DROP_RECVS", 1u << 20, &c.fault_drop_recvs));
   if (const char* v = env("PONTE_STRIPE_MIN")) {
     auto r = parse_size(v);

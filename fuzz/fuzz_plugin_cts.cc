@@ -31,6 +31,7 @@ bool decode_slot(const uint8_t* slot, uint32_t expected, Decoded* d) {
     const CtsElem& e = d->elems[i];
     FUZZ_CHECK(e.region.data() >= slot && e.region.data() + e.region.size() <= slot + kCtsSlotBytes);
     FUZZ_CHECK(e.offset <= d->regions[i].len && e.size <= d->regions[i].len - e.offset);
+    FUZZ_CHECK(!e.inline_data || e.size <= kInlineMax);
   }
   return true;
 }
@@ -53,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(decode_slot(again.get(), expected, &d2) && d2.n == d.n);
     for (int i = 0; i < d.n; i++) {
       FUZZ_CHECK(d2.elems[i].offset == d.elems[i].offset && d2.elems[i].size == d.elems[i].size &&
-                 d2.elems[i].tag == d.elems[i].tag && d2.regions[i] == d.regions[i]);
+                 d2.elems[i].tag == d.elems[i].tag && d2.elems[i].inline_data == d.elems[i].inline_data &&
+                 d2.regions[i] == d.regions[i]);
       FUZZ_CHECK(std::equal(d2.elems[i].region.begin(), d2.elems[i].region.end(),
                             d.elems[i].region.begin(), d.elems[i].region.end()));
     }

@@ -208,6 +208,7 @@ Seeds all_seeds() {
       elems[i].size = i == 1 ? 0 : 4096;
       elems[i].tag = 100 + i;
       elems[i].region = buf_region;
+      elems[i].inline_data = n == 1;  // a one-buffer receive of 4 KiB asks for inline data
     }
     Bytes slot(4 + plugin::kCtsSlotBytes);
     const uint32_t req = 41;

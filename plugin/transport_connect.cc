@@ -396,6 +396,7 @@ Status connect(int dev, void* handle, void** send_comm, int traffic_class) {
       c->free_list[i] = kSendRequests - 1 - i;
     }
     c->free_count = kSendRequests;
+    for (int& u : c->inline_user) u = -1;
     pc->token = random_u64();
     ConnectMsg m;
     m.listen_id = h.listen_id;

@@ -86,7 +86,7 @@ void undo_op(CommBase* c, Request* r) {
 
 Status post_record(SendComm* c, SendRequest* r) {
   Device* d = c->dev;
-  LocalSlice src{&c->mrs[1], static_cast<size_t>(r->index) * kRecordBytes, kRecordBytes};
+  LocalSlice src{&c->mrs[1], r->record_src_offset, r->record_len};
   if (!start_op(c, r)) return refusal(c);
   Status st = d->engine->write_imm_whole(d->group, c->peer, src, c->records, r->record_dst_offset,
                                    r->record_imm, Notify{&op_done, r});
@@ -131,6 +131,11 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   const size_t len = std::min<uint64_t>(size, c->elems[i].size);  // a larger send is truncated
   const MrEntry* m = nullptr;
   if (len > 0) PONTE_RETURN_IF_ERROR(check_mr(d, mhandle, data, len, &m));
+  const bool inl = c->elems[i].inline_data;
+  const size_t islot = c->head % kMaxRequests;
+  if (inl && c->inline_user[islot] >= 0 &&
+      c->reqs[c->inline_user[islot]].pending.load(std::memory_order_acquire) != 0)
+    return Status::Ok();  // the slot's previous inline write is still being sent
 
   SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
   r->error.store(0, std::memory_order_relaxed);
@@ -138,21 +143,39 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   r->size = len;
   r->dst = c->regions[i];
   r->record_unsubmitted = false;
-  r->record_dst_offset = ((c->head % kMaxRequests) * kMaxRecvs + i) * kRecordBytes;
   r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  // Where the size record and the data go: the record into its record slot and the data into
+  // the receive buffer, or (inline) both into the request's inline slot. Inline from host memory,
+  // the data is copied behind the record and goes in the same write; from GPU memory (no CPU
+  // copy here) it is written there apart, as a shard, and the record after it.
+  const bool copy = inl && (len == 0 || m->kind == MemKind::kHost);
   SizeRecord rec;
   rec.size = len;
-  rec.shards = len ? e.imms_per_write(d->group, c->peer, len) : 0;
+  rec.shards = len > 0 && !copy ? e.imms_per_write(d->group, c->peer, len) : 0;
   rec.request_number = static_cast<uint32_t>(c->head);
-  encode_record(rec, c->outbox.ptr + static_cast<size_t>(r->index) * kRecordBytes);
+  if (inl) {
+    r->record_src_offset = static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes;
+    r->record_dst_offset = inline_slot_offset(c->head);
+  } else {
+    r->record_src_offset = static_cast<size_t>(r->index) * kRecordBytes;
+    r->record_dst_offset = ((c->head % kMaxRequests) * kMaxRecvs + i) * kRecordBytes;
+  }
+  r->record_len = kRecordBytes;
+  encode_record(rec, c->outbox.ptr + r->record_src_offset);
+  if (copy && len > 0) {
+    std::memcpy(c->outbox.ptr + r->record_src_offset + kRecordBytes, data, len);
+    r->record_len += len;
+  }
 
-  if (len > 0) {
+  if (len > 0 && !copy) {
     const uint32_t data_imm = imm_value(false, c->remote_comm_id, c->head);
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
     if (!start_op(c, r)) return refusal(c);
     hold(r, m);
-    Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
-                            Notify{&held_done, r});
+    Status st = inl ? e.write_imm(d->group, c->peer, src, c->records, r->record_dst_offset + kRecordBytes,
+                                  data_imm, Notify{&held_done, r})
+                    : e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
+                                  Notify{&held_done, r});
     if (!st.ok()) {
       release_held(r);
       undo_op(c, r);
@@ -166,6 +189,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   } else if (!st.ok()) {
     note_error(r, st);  // test() reports it (after the data write ends)
   }
+  if (inl) c->inline_user[islot] = r->index;
   --c->free_count;
   r->in_use = true;
   c->matched |= 1u << i;
@@ -208,6 +232,10 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     elems[i].offset = reinterpret_cast<uintptr_t>(data[i]) - m->start;
     elems[i].region = m->remote_bytes;
   }
+  // One small buffer in host memory: its data comes inline, behind the size record (kCtsInline).
+  const bool inl = n == 1 && sizes[0] > 0 && sizes[0] <= global_config().net_inline &&
+                   targets[0]->kind == MemKind::kHost;
+  elems[0].inline_data = inl;
   uint8_t* out = c->cts.ptr + slot * kCtsSlotBytes;
   PONTE_RETURN_IF_ERROR(
       encode_cts(static_cast<uint32_t>(number), std::span<const CtsElem>(elems, n), out));
@@ -220,6 +248,8 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   r->data_imm = imm_value(false, c->comm_id, number);
   r->record_imm = imm_value(true, c->comm_id, number);
   r->records_read = false;
+  r->inline_data = inl;
+  r->inline_dst = inl ? data[0] : nullptr;
   r->shards = 0;
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
   if (!start_op(c, r)) return refusal(c);
@@ -388,7 +418,8 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           return waiting(q->record_imm, static_cast<uint32_t>(q->n));
         uint32_t shards = 0;
         const uint8_t* base =
-            rc->records.ptr + (q->number % kMaxRequests) * kMaxRecvs * kRecordBytes;
+            q->inline_data ? rc->records.ptr + inline_slot_offset(q->number)
+                           : rc->records.ptr + (q->number % kMaxRequests) * kMaxRecvs * kRecordBytes;
         for (int i = 0; i < q->n; ++i) {
           auto rec = decode_record(base + static_cast<size_t>(i) * kRecordBytes);
           if (!rec.ok() || rec->request_number != static_cast<uint32_t>(q->number) ||
@@ -405,6 +436,9 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards)
         return waiting(q->data_imm, q->shards);
       if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
+      if (q->inline_data && q->received[0] > 0)  // the slot is not reused before this request ends
+        std::memcpy(q->inline_dst, rc->records.ptr + inline_slot_offset(q->number) + kRecordBytes,
+                    q->received[0]);
       e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));
       if (q->shards) e.consume_imm(d->group, q->data_imm, q->shards);
       *done = 1;

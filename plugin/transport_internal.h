@@ -137,6 +137,8 @@ struct SendRequest : Request {
   size_t size = 0;
   RemoteRegion dst;  // kept alive for the engine until the writes complete
   bool record_unsubmitted = false;
+  size_t record_src_offset = 0;  // in the outbox
+  size_t record_len = 0;
   size_t record_dst_offset = 0;
   uint32_t record_imm = 0;
 };
@@ -150,6 +152,8 @@ struct RecvRequest : Request {
   uint32_t data_imm = 0;
   uint32_t record_imm = 0;
   bool records_read = false;
+  bool inline_data = false;  // its CTS asked for inline data: the record is in the inline slot
+  void* inline_dst = nullptr;  // ... whose data is copied here
   uint32_t shards = 0;
   uint64_t posted[kMaxRecvs] = {};
   uint64_t received[kMaxRecvs] = {};
@@ -187,7 +191,11 @@ struct CommBase {
 
 struct SendComm : CommBase {
   HostBuffer fifo{kFifoBytes};                              // CTS slots, written by the receiver
-  HostBuffer outbox{kSendRequests * kRecordBytes};          // size records to write
+  // Size records to write (one per request), then one inline slot per CTS slot (record + data).
+  HostBuffer outbox{kSendRequests * kRecordBytes + kInlineArea};
+  // Per CTS slot: the request whose inline write last used that outbox slot (-1: none), which
+  // must have ended before the slot is filled again.
+  int inline_user[kMaxRequests];
   RemoteRegion records;                                     // the receiver's record area
   uint64_t head = 0;                                        // request number being matched
   int head_n = -1;                                          // buffers in that CTS; -1 = not read
@@ -200,7 +208,7 @@ struct SendComm : CommBase {
 };
 
 struct RecvComm : CommBase {
-  HostBuffer records{kRecordArea};  // size records, written by the sender
+  HostBuffer records{kRecordArea + kInlineArea};  // size records and inline slots, by the sender
   HostBuffer cts{kFifoBytes};       // CTS slots to write into the sender's FIFO
   HostBuffer flush_buf{kPage};      // target of flush reads
   RemoteRegion fifo;                // the sender's FIFO

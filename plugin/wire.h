@@ -12,7 +12,7 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 1;
+constexpr uint8_t kWireVersion = 2;  // 2: CTS elements may ask for inline data
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -154,19 +154,27 @@ Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 // that the slot is complete.
 //   header (16): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
 //                7 pad
-//   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 pad,
+//   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 flags,
 //                u8 region length, 7 pad, RemoteRegion bytes (<= 96 for 4 NICs)
+//   flags bit 0 (kCtsInline): send inline. The receiver asks it for a one-buffer receive of at most
+//                kInlineMax bytes in host memory; the sender then writes the size record and the
+//                data together, in one write, into the request's inline slot (see below) instead
+//                of the data into the buffer and the record apart: one write per message, not two.
+//                The receiver copies the data out. Other bits: 0.
 constexpr size_t kCtsHeader = 16;
 constexpr size_t kCtsElemHeader = 32;
 constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
 constexpr size_t kCtsSlotBytes = kCtsHeader + kMaxRecvs * kCtsElemBytes;
 constexpr size_t kFifoBytes = kMaxRequests * kCtsSlotBytes;
 
+constexpr uint32_t kCtsInline = 1;
+
 struct CtsElem {
   uint64_t offset = 0;  // of the receive buffer within its registered region
   uint64_t size = 0;    // capacity of the receive buffer
   int32_t tag = 0;
   std::span<const uint8_t> region;  // encoded RemoteRegion of the buffer's registration
+  bool inline_data = false;  // kCtsInline: record and data together into the inline slot
 };
 
 // Writes one slot (header + n elements) into out (kCtsSlotBytes).
@@ -183,6 +191,16 @@ Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* 
 //   12 pad (32 bytes)
 constexpr size_t kRecordBytes = 32;
 constexpr size_t kRecordArea = kMaxRequests * kMaxRecvs * kRecordBytes;
+
+// Inline slots: after the records, one per request slot, each a size record followed by up to
+// kInlineMax data bytes; written whole, with the request's record immediate, when its CTS asked
+// for inline data (kCtsInline). The record says how many data bytes follow (its size; shards 0).
+constexpr size_t kInlineMax = 4096;
+constexpr size_t kInlineSlotBytes = kRecordBytes + kInlineMax;
+constexpr size_t kInlineArea = kMaxRequests * kInlineSlotBytes;
+constexpr size_t inline_slot_offset(uint64_t request_number) {
+  return kRecordArea + static_cast<size_t>(request_number % kMaxRequests) * kInlineSlotBytes;
+}
 
 struct SizeRecord {
   uint64_t size = 0;

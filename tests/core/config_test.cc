@@ -11,7 +11,8 @@ class ConfigTest : public ::testing::Test {
  protected:
   void TearDown() override {
     for (const char* v : {"PONTE_BACKEND", "PONTE_STRIPE_MIN", "PONTE_TIMEOUT_MS", "PONTE_PROGRESS_CORES",
-                          "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS", "PONTE_FABRIC_HMEM"})
+                          "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS", "PONTE_FABRIC_HMEM",
+                          "PONTE_NET_INLINE"})
       unsetenv(v);
   }
 };
@@ -24,6 +25,7 @@ TEST_F(ConfigTest, Defaults) {
   EXPECT_LE(c->timeout_ms, 30000u);
   EXPECT_EQ(c->ib_gid_index, -1);
   EXPECT_EQ(c->fabric_hmem, -1);  // auto
+  EXPECT_EQ(c->net_inline, 4096u);
 }
 
 TEST_F(ConfigTest, ParsesValues) {
@@ -34,6 +36,7 @@ TEST_F(ConfigTest, ParsesValues) {
   setenv("PONTE_IB_GID_INDEX", "3", 1);
   setenv("PONTE_NICS", "4", 1);
   setenv("PONTE_FABRIC_HMEM", "0", 1);
+  setenv("PONTE_NET_INLINE", "0", 1);
   auto c = Config::from_env();
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->backend, BackendChoice::kFabric);
@@ -43,6 +46,7 @@ TEST_F(ConfigTest, ParsesValues) {
   EXPECT_EQ(c->ib_gid_index, 3);
   EXPECT_EQ(c->nics_per_group, 4);
   EXPECT_EQ(c->fabric_hmem, 0);
+  EXPECT_EQ(c->net_inline, 0u);
   setenv("PONTE_FABRIC_HMEM", "on", 1);
   EXPECT_EQ(Config::from_env()->fabric_hmem, 1);
 }
@@ -54,7 +58,7 @@ TEST_F(ConfigTest, BadValuesNameTheVariable) {
   } cases[] = {{"PONTE_BACKEND", "gpu"},       {"PONTE_STRIPE_MIN", "12q"},     {"PONTE_TIMEOUT_MS", "-1"},
                {"PONTE_TIMEOUT_MS", "0"},       {"PONTE_PROGRESS_CORES", "1,,2"}, {"PONTE_IB_GID_INDEX", "x"},
                {"PONTE_RECV_SIZE", "0"},        {"PONTE_LOG", "loud"},          {"PONTE_NICS", "99"},
-               {"PONTE_FABRIC_HMEM", "cuda"}};
+               {"PONTE_FABRIC_HMEM", "cuda"}, {"PONTE_NET_INLINE", "4097"}};
   for (const auto& cs : cases) {
     setenv(cs.name, cs.value, 1);
     auto c = Config::from_env();

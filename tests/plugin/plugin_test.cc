@@ -218,6 +218,51 @@ TEST_F(PluginTest, EightInFlightAndThirtyTwoPostedReceives) {
   close_pair(net(), &p);
 }
 
+// Receives of at most PONTE_NET_INLINE (4096) bytes in host memory get their data inside the size
+// record (one write) and copy it out of the request's inline slot. Three rounds of 32 receives in
+// flight reuse every slot; sizes straddle the limit, receives larger than their sends and a
+// one-buffer receive beside a larger one (not inline) share the rounds.
+TEST_F(PluginTest, SmallMessagesCycleEveryInlineSlot) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  const size_t sends[] = {1, 4096, 4095, 100, 4097, 64, 3000, 8};
+  const size_t caps[] = {1, 4096, 4096, 4096, 4097, 5000, 3000, 4096};
+  constexpr int kWindow = 32;
+  uint32_t seed = 5000;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    std::vector<std::unique_ptr<Buffer>> src, dst;
+    std::vector<void*> rreq(kWindow), sreq(kWindow);
+    for (int i = 0; i < kWindow; ++i) {
+      const size_t k = static_cast<size_t>(i + round) % std::size(sends);
+      src.push_back(std::make_unique<Buffer>(net(), p.send, sends[k]));
+      dst.push_back(std::make_unique<Buffer>(net(), p.recv, caps[k] + 1));
+      fill(src.back()->data(), sends[k], seed + i);
+      void* data[1] = {dst.back()->data()};
+      size_t sizes[1] = {caps[k]};
+      int tags[1] = {9};
+      void* mhs[1] = {dst.back()->mh()};
+      ASSERT_OK(net()->irecv(p.recv, 1, data, sizes, tags, mhs, nullptr, &rreq[i]));
+      ASSERT_NE(rreq[i], nullptr) << "receive " << i << " refused";
+    }
+    for (int i = 0; i < kWindow; ++i) {
+      const size_t k = static_cast<size_t>(i + round) % std::size(sends);
+      ASSERT_OK(post_send(net(), p.send, src[i]->data(), sends[k], 9, src[i]->mh(), &sreq[i]));
+    }
+    for (int i = kWindow - 1; i >= 0; --i) {
+      const size_t k = static_cast<size_t>(i + round) % std::size(sends);
+      int sent = -1, got[8] = {-1};
+      ASSERT_OK(wait_request(net(), sreq[i], &sent));
+      ASSERT_OK(wait_request(net(), rreq[i], got));
+      EXPECT_EQ(got[0], static_cast<int>(sends[k])) << "message " << i;
+      EXPECT_EQ(mismatch(dst[i]->data(), sends[k], seed + i), SIZE_MAX) << "message " << i;
+      EXPECT_EQ(dst[i]->data()[sends[k]], 0) << "message " << i << " wrote past its bytes";
+    }
+    seed += kWindow;
+  }
+  close_pair(net(), &p);
+}
+
 TEST_F(PluginTest, GroupedReceiveTagsPickTheSlot) {
   Pair p;
   ASSERT_OK(connect_pair(net(), 0, 0, &p));
@@ -1052,6 +1097,25 @@ TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
   {  // the peer sends (writes size records striped)
     Peer peer({"send", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
     ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, dev, sizes, peer, 0));
+  }
+}
+
+// The receiver alone decides whether a message comes inline (its CTS says so): ends that differ in
+// PONTE_NET_INLINE still move every byte, both ways.
+TEST(PluginProcesses, InlineSettingsMayDifferBetweenTheEnds) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  std::vector<size_t> sizes;
+  for (int round = 0; round < 12; ++round)  // more than 32 messages: every inline slot twice
+    for (size_t s : {size_t{1}, size_t{4096}, size_t{4097}, size_t{700}}) sizes.push_back(s);
+  {  // the peer receives without inline data; we send
+    Peer peer({"recv", join_sizes(sizes)}, {"PONTE_NET_INLINE=0"});
+    ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, 0, sizes, peer));
+  }
+  {  // we receive inline; the peer sends with inline off for its own receives
+    Peer peer({"send", join_sizes(sizes)}, {"PONTE_NET_INLINE=0"});
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, 0, sizes, peer, 0));
   }
 }
 

@@ -55,7 +55,7 @@ TEST(PluginWire, HandleRejectsWhatItDoesNotUnderstand) {
   ASSERT_TRUE(encode_handle(ListenHandle{1, 2, false, addr}, h).ok());
   uint8_t bad[kHandleSize];
   std::memcpy(bad, h, kHandleSize);
-  bad[0] = 2;  // version
+  bad[0] = kWireVersion + 1;  // version
   EXPECT_FALSE(decode_handle(bad).ok());
   std::memcpy(bad, h, kHandleSize);
   bad[1] = 'X';  // kind
@@ -196,6 +196,36 @@ TEST(PluginWire, CtsSlotRoundTrip) {
   EXPECT_FALSE(encode_cts(1, {}, slot.data()).ok());
   std::vector<uint8_t> zeros(kCtsSlotBytes, 0);
   EXPECT_FALSE(decode_cts_header(zeros.data(), 0).ok());
+}
+
+TEST(PluginWire, CtsInlineFlagRoundTripsAndIsBounded) {
+  std::vector<uint8_t> slot(kCtsSlotBytes, 0);
+  const auto r1 = region(1, 0x9000, 8192).encode();
+  CtsElem elems[2] = {CtsElem{0, kInlineMax, 3, r1, true}, CtsElem{0, 8192, 4, r1, false}};
+  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  CtsElem e;
+  RemoteRegion r;
+  ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
+  EXPECT_TRUE(e.inline_data);
+  EXPECT_EQ(e.size, kInlineMax);
+  ASSERT_TRUE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  EXPECT_FALSE(e.inline_data);
+  // More than an inline slot holds is refused on both sides.
+  elems[0].size = kInlineMax + 1;
+  EXPECT_FALSE(encode_cts(7, elems, slot.data()).ok());
+  elems[0].size = kInlineMax;
+  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  const uint64_t big = kInlineMax + 1;
+  std::memcpy(slot.data() + kCtsHeader + 8, &big, sizeof(big));  // element 0's size
+  EXPECT_FALSE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
+  // Unknown flag bits are refused.
+  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  slot[kCtsHeader + kCtsElemBytes + 20] = 0x02;  // element 1's flags
+  EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  // Inline slots follow the records and do not overlap.
+  EXPECT_EQ(inline_slot_offset(0), kRecordArea);
+  EXPECT_EQ(inline_slot_offset(kMaxRequests + 1), kRecordArea + kInlineSlotBytes);
+  EXPECT_EQ(inline_slot_offset(kMaxRequests - 1) + kInlineSlotBytes, kRecordArea + kInlineArea);
 }
 
 TEST(PluginWire, SizeRecordRoundTrip) {
