@@ -148,8 +148,7 @@ class NicGroup {
     bool out_authed = false;       // outbound: the peer's challenge was answered
     bool orderly_close = false;  // the peer said goodbye before closing, or we did
     std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
-    std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail, unless
-    std::chrono::steady_clock::time_point drain_limit;     // ... data still arrives (until this)
+    std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
     int traffic_class = -1;   // outbound: ConnectOptions::traffic_class, set on every NIC peer
     std::atomic<uint32_t> rebuilds{0};  // connection rebuilds so far (Engine::peer_epoch)
@@ -300,10 +299,6 @@ class NicGroup {
   static constexpr int kPollBatch = 32;
   Completion comps_[kPollBatch];  // worker only: poll_nics' batch
   uint32_t draining_ = 0;  // peers closed in order whose counters still wait (see peer_died)
-  // Completions reaped so far (by whoever holds the token: one writer at a time), and the count
-  // end_drains last saw: whether data still arrives.
-  std::atomic<uint64_t> reaped_{0};
-  uint64_t reaped_seen_ = 0;
   std::chrono::steady_clock::time_point now_;  // the worker loop's clock, read every few passes
   std::chrono::steady_clock::time_point last_activity_;
   std::chrono::steady_clock::time_point last_timeout_scan_;

@@ -36,6 +36,6 @@ inline constexpr uint32_t kPollerSleepMaxUs = 500;
 inline constexpr uint32_t kPollerHoldUs = 200;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.
 inline constexpr uint32_t kSpinYieldAfterUs = 20;
-inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown and drains: longest quiet (PONTE_TIMEOUT_MS in all)
+inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 
 }  // namespace ponte

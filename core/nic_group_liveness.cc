@@ -34,9 +34,7 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
   if (orderly) {
     // Its goodbye travels on the control socket and can overtake its last writes (completed at
     // the peer, still on the wire): keep its connection and counters a grace period longer.
-    const auto now = Clock::now();
-    p.drain_limit = now + std::chrono::milliseconds(cfg_.timeout_ms);
-    p.drain_deadline = std::min(p.drain_limit, now + std::chrono::milliseconds(kLingerMs));
+    p.drain_deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
     draining_++;
     return;
   }
@@ -45,17 +43,10 @@ void NicGroup::peer_died(PeerId id, Code code, const char* why) {
 }
 
 void NicGroup::end_drains(Clock::time_point now) {
-  // While completions still come (this group's, from anyone: a busy host can take longer than
-  // kLingerMs to move what the peer sent before its goodbye), every drain waits on, up to its limit.
-  const uint64_t reaped = reaped_.load(std::memory_order_relaxed);
-  const bool moving = reaped != reaped_seen_;
-  reaped_seen_ = reaped;
   const uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n && draining_ > 0; i++) {
     Peer& p = peers_[i];
-    if (!p.draining.load(std::memory_order_relaxed)) continue;
-    if (moving) p.drain_deadline = std::max(p.drain_deadline, std::min(p.drain_limit, now + std::chrono::milliseconds(kLingerMs)));
-    if (now < p.drain_deadline) continue;
+    if (!p.draining.load(std::memory_order_relaxed) || now < p.drain_deadline) continue;
     draining_--;
     fail_ops_toward(i, Code::kPeerDead, "the peer closed its engine before this completed", false);
     reset_backend_peer(i);

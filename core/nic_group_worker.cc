@@ -34,13 +34,10 @@ void NicGroup::sleep_idle(uint32_t us) {
 // counters still waiting end with kCancelled, ready peers hear goodbye, and the NICs keep
 // progressing until those peers have closed their side. Then nothing is normally mid-flight
 // toward this group when its endpoints close (libfabric 1.17's rxm crashes closing an endpoint
-// that holds a half-received write). Bounded: kLingerMs without a completion (a host too busy to
-// finish in kLingerMs still finishes while its writes complete), PONTE_TIMEOUT_MS in all.
+// that holds a half-received write). Bounded: kLingerMs (or PONTE_TIMEOUT_MS if shorter).
 void NicGroup::linger() {
   if (wedged_.load(std::memory_order_acquire)) return;  // the watchdog's now
-  const auto start = Clock::now();
-  const auto limit = start + std::chrono::milliseconds(cfg_.timeout_ms);
-  auto deadline = std::min(limit, start + std::chrono::milliseconds(kLingerMs));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(std::min(cfg_.timeout_ms, kLingerMs));
   Status cancelled(Code::kCancelled, "the engine was shut down");
   imm_.fail_all(cancelled);
   // What was submitted before the shutdown runs to its end; submit() refuses anything newer
@@ -52,7 +49,7 @@ void NicGroup::linger() {
     drain_queue();
     in_drain_ = false;
     if (run_head_ != kNoSlot) post_runnable();
-    if (poll_nics()) deadline = std::max(deadline, std::min(limit, now + std::chrono::milliseconds(kLingerMs)));
+    poll_nics();
     poll_control(now);  // handshakes still under way, peers that close meanwhile
   }
   while (active_head_ != kNoSlot) fail_slot(active_head_, Code::kCancelled, "the engine was shut down");
@@ -84,7 +81,6 @@ bool NicGroup::poll_nics() {
     for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps_[c]);
     any |= n > 0;
   }
-  if (any) reaped_.store(reaped_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   return any;
 }
 
