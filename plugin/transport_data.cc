@@ -158,7 +158,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     r->record_dst_offset = inline_slot_offset(c->head);
   } else {
     r->record_src_offset = static_cast<size_t>(r->index) * kRecordBytes;
-    r->record_dst_offset = ((c->head % kMaxRequests) * kMaxRecvs + i) * kRecordBytes;
+    r->record_dst_offset = record_offset(c->head, i);
   }
   r->record_len = kRecordBytes;
   encode_record(rec, c->outbox.ptr + r->record_src_offset);
@@ -172,10 +172,10 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
     if (!start_op(c, r)) return refusal(c);
     hold(r, m);
-    Status st = inl ? e.write_imm(d->group, c->peer, src, c->records, r->record_dst_offset + kRecordBytes,
-                                  data_imm, Notify{&held_done, r})
-                    : e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm,
-                                  Notify{&held_done, r});
+    // Into the receive buffer, or (inline from GPU memory) behind the record in the inline slot.
+    const RemoteRegion& dst = inl ? c->records : r->dst;
+    const size_t dst_offset = inl ? r->record_dst_offset + kRecordBytes : c->elems[i].offset;
+    Status st = e.write_imm(d->group, c->peer, src, dst, dst_offset, data_imm, Notify{&held_done, r});
     if (!st.ok()) {
       release_held(r);
       undo_op(c, r);
@@ -418,8 +418,7 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           return waiting(q->record_imm, static_cast<uint32_t>(q->n));
         uint32_t shards = 0;
         const uint8_t* base =
-            q->inline_data ? rc->records.ptr + inline_slot_offset(q->number)
-                           : rc->records.ptr + (q->number % kMaxRequests) * kMaxRecvs * kRecordBytes;
+            rc->records.ptr + (q->inline_data ? inline_slot_offset(q->number) : record_offset(q->number, 0));
         for (int i = 0; i < q->n; ++i) {
           auto rec = decode_record(base + static_cast<size_t>(i) * kRecordBytes);
           if (!rec.ok() || rec->request_number != static_cast<uint32_t>(q->number) ||

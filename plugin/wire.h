@@ -198,6 +198,11 @@ constexpr size_t kRecordArea = kMaxRequests * kMaxRecvs * kRecordBytes;
 constexpr size_t kInlineMax = 4096;
 constexpr size_t kInlineSlotBytes = kRecordBytes + kInlineMax;
 constexpr size_t kInlineArea = kMaxRequests * kInlineSlotBytes;
+// Where buffer i's size record of a request lands in the receiver's record area.
+constexpr size_t record_offset(uint64_t request_number, int buffer) {
+  return ((static_cast<size_t>(request_number % kMaxRequests) * kMaxRecvs) + static_cast<size_t>(buffer)) *
+         kRecordBytes;
+}
 constexpr size_t inline_slot_offset(uint64_t request_number) {
   return kRecordArea + static_cast<size_t>(request_number % kMaxRequests) * kInlineSlotBytes;
 }

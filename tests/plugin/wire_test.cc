@@ -222,6 +222,10 @@ TEST(PluginWire, CtsInlineFlagRoundTripsAndIsBounded) {
   ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
   slot[kCtsHeader + kCtsElemBytes + 20] = 0x02;  // element 1's flags
   EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  // Records: 8 per request slot, request numbers wrap at 32; inline slots follow them, no overlap.
+  EXPECT_EQ(record_offset(0, 0), 0u);
+  EXPECT_EQ(record_offset(kMaxRequests + 1, 2), (kMaxRecvs + 2) * kRecordBytes);
+  EXPECT_EQ(record_offset(kMaxRequests - 1, kMaxRecvs - 1) + kRecordBytes, kRecordArea);
   // Inline slots follow the records and do not overlap.
   EXPECT_EQ(inline_slot_offset(0), kRecordArea);
   EXPECT_EQ(inline_slot_offset(kMaxRequests + 1), kRecordArea + kInlineSlotBytes);
