@@ -313,7 +313,10 @@ void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point 
     p.state.store(kConnecting, std::memory_order_release);
   }
   Peer& p = peers_[id];
-  int which = p.sock[0].open() ? 1 : 0;
+  // An outbound peer's sock[0] is its own connection, even before the kConnect op (still in the
+  // queue) opens it: a connection from the peer goes to sock[1], never where our connect would
+  // close it (the peer then saw its connection closed and declared us dead).
+  int which = p.inbound && !p.sock[0].open() ? 0 : 1;
   if (p.sock[which].open()) return drop_pending(i, nullptr);  // a third connection from the same peer: not ours
   int fd = pending_[i].sock->fd();
   epoll_del(fd);

@@ -436,6 +436,72 @@ TEST_P(EngineTest, ConnectsToItself) {
   EXPECT_TRUE(eng.deregister(*mb).ok());
 }
 
+// Two groups connect to each other at once, each from a thread that polls (NCCL's proxy connects
+// both ways of a ring this way): the other side's connection may arrive while our own connect
+// still waits in the queue, and must then be taken as the second control connection, never
+// closed (it was, and the other side's peer died: "peer closed its control connection").
+TEST_P(EngineTest, CrossConnectFromPollingThreadsKeepsBothConnections) {
+  constexpr int kRounds = 12;
+  for (int round = 0; round < kRounds; round++) {
+    auto a = make_engine(GetParam(), 'A', 1);
+    auto b = make_engine(GetParam(), 'B', 1);
+    ASSERT_TRUE(a.ok() && b.ok());
+    Engine* engines[2] = {a->get(), b->get()};
+    std::atomic<int> go{0};
+    Result<PeerId> ids[2] = {Status(Code::kInternal, "not run"), Status(Code::kInternal, "not run")};
+    bool ready[2] = {false, false};
+    auto side = [&](int me) {
+      Engine& e = *engines[me];
+      const std::vector<uint8_t> theirs = engines[1 - me]->address(0);
+      go.fetch_add(1);
+      while (go.load() < 2) e.progress(0);
+      // Stagger the two connects by up to ~2 ms so the other's connection lands in every phase
+      // of ours: before it is queued, while it waits in the queue, after it started.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(me ? round * 170 : 0);
+      while (std::chrono::steady_clock::now() < until) e.progress(0);
+      ids[me] = e.connect(0, theirs);
+      if (!ids[me].ok()) return;
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (std::chrono::steady_clock::now() < deadline && !e.peer_dead(0, *ids[me])) {
+        e.progress(0);
+        if (e.peer_ready(0, *ids[me])) {
+          ready[me] = true;
+          break;
+        }
+        std::this_thread::yield();
+      }
+    };
+    std::thread ta(side, 0), tb(side, 1);
+    ta.join();
+    tb.join();
+    for (int me = 0; me < 2; me++) {
+      ASSERT_TRUE(ids[me].ok()) << ids[me].status().message();
+      ASSERT_TRUE(ready[me]) << "round " << round << ": side " << me << "'s peer "
+                             << (engines[me]->peer_dead(0, *ids[me]) ? "died" : "never became ready");
+    }
+    // Both connections stay up: a write each way lands.
+    for (int me = 0; me < 2; me++) {
+      Engine& e = *engines[me];
+      std::vector<uint8_t> src(4096), dst(4096, 0);
+      fill(src.data(), src.size(), 40 + round);
+      auto ms = e.register_memory(0, src.data(), src.size());
+      auto md = engines[1 - me]->register_memory(0, dst.data(), dst.size());
+      ASSERT_TRUE(ms.ok() && md.ok());
+      ASSERT_FALSE(e.peer_dead(0, *ids[me])) << "round " << round << ": side " << me << "'s peer died after the handshake";
+      Flag written;
+      ASSERT_TRUE(e.write(0, *ids[me], LocalSlice{&*ms, 0, src.size()}, md->remote(), 0, written.notify()).ok());
+      ASSERT_TRUE(written.wait(10s).ok()) << "round " << round << " side " << me << ": " << written.status().message();
+      const auto deadline = std::chrono::steady_clock::now() + 5s;
+      while (check(dst.data(), dst.size(), 40 + round) != SIZE_MAX && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(1ms);
+      EXPECT_EQ(check(dst.data(), dst.size(), 40 + round), SIZE_MAX);
+      EXPECT_FALSE(engines[1 - me]->peer_dead(0, *ids[1 - me])) << "round " << round;
+      EXPECT_TRUE(e.deregister(*ms).ok());
+      EXPECT_TRUE(engines[1 - me]->deregister(*md).ok());
+    }
+  }
+}
+
 TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
   start();
   fill(src_, 64 << 20, 1);
