@@ -3,8 +3,8 @@
 //
 //   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]
 //                [--sizes 1k,..,64m] [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N]
-//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m] [--no-engine]
-//                [--abi 11|10|9|8] [--timeout 60] [--json]
+//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--engine-size 4m]
+//                [--no-engine] [--abi 11|10|9|8] [--timeout 60] [--json]
 //
 // Every run is two fresh processes (this binary started again), each loading one plugin (the
 // newest of ncclNetPlugin_v11 .. _v8 it exports, or the one --abi names), reading its device
@@ -15,7 +15,9 @@
 // comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free, or else
 // test the oldest one; --pass all posts every free slot and tests every request on each pass.
 // The engine's own write-with-immediate bandwidth (the ceiling of ponte's plugin) is measured in
-// this process at --engine-size with the same caller loop.
+// this process at --engine-size with the same caller loop. --devs A,B puts side A on the plugin's
+// device A and side B on device B (and the engine's ends on the backend's devices A and B), as two
+// NICs of one host talk (default 0,0: one device talks to itself).
 // The environment picks the provider for each plugin as it would under NCCL; the defaults here are
 // PONTE_BACKEND=fabric, PONTE_FABRIC_PROVIDER=tcp;ofi_rxm and FI_TCP_IFACE=lo (loopback only).
 #include <sys/resource.h>
@@ -53,6 +55,7 @@ struct Options {
   int lat_iters = 1000;
   int repeat = 3;
   int nics = 1;
+  int dev_a = 0, dev_b = 0;  // --devs A,B
   size_t engine_size = 4u << 20;
   bool engine = true;
   int timeout_s = 60;
@@ -102,7 +105,7 @@ std::vector<size_t> parse_sizes(const std::string& s) {
 constexpr const char* kUsage =
     "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]\n"
     "                    [--sizes LIST] [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N]\n"
-    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--engine-size 4m]\n"
+    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--engine-size 4m]\n"
     "                    [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
 
 Options parse_options(int argc, char** argv, int first) {
@@ -136,6 +139,13 @@ Options parse_options(int argc, char** argv, int first) {
     else if (a == "--lat-iters") o.lat_iters = std::stoi(next());
     else if (a == "--repeat") o.repeat = std::stoi(next());
     else if (a == "--nics") o.nics = std::stoi(next());
+    else if (a == "--devs") {
+      const std::string v = next();
+      const size_t comma = v.find(',');
+      if (comma == std::string::npos) die("--devs takes A,B (device indexes)");
+      o.dev_a = std::stoi(v.substr(0, comma));
+      o.dev_b = std::stoi(v.substr(comma + 1));
+    }
     else if (a == "--engine-size") o.engine_size = parse_bytes(next());
     else if (a == "--no-engine") o.engine = false;
     else if (a == "--timeout") o.timeout_s = std::stoi(next());
@@ -153,6 +163,8 @@ Options parse_options(int argc, char** argv, int first) {
   if (o.window < 1 || o.window > kMaxRequests || o.nics < 1 || o.nics > kMaxDevsPerNic ||
       o.repeat < 1 || o.lat_iters < 1 || o.iters < 0 || o.timeout_s < 1 || o.callers.empty())
     die("window must be 1..32, nics 1..4, repeat, lat-iters and timeout > 0");
+  if (o.dev_a < 0 || o.dev_b < 0) die("--devs: device indexes are >= 0");
+  if (o.nics > 1 && (o.dev_a != 0 || o.dev_b != 0)) die("--devs with --nics > 1: not supported");
   return o;
 }
 
@@ -557,7 +569,9 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   if (ndev < 1) die("the plugin has no device");
   PropertiesV11 props{};
   for (int d = ndev - 1; d >= 0; --d) s.check(s.t->get_properties(d, &props), "getProperties");
-  int dev = 0;
+  int dev = a ? o.dev_a : o.dev_b;
+  if (dev >= ndev) die("--devs: the plugin has fewer devices");
+  s.check(s.t->get_properties(dev, &props), "getProperties");  // this side's device (its name)
   if (o.nics > 1) {
     if (!s.t->make_vdevice) die("the plugin has no makeVDevice (--nics > 1)");
     VDeviceProps vp{};
@@ -699,8 +713,12 @@ void run_plugin(const Options& o, const std::string& path, const std::string& ca
   std::map<size_t, double> recv_cpu;
   for (auto& w : lb)
     if (w[0] == "bwr" && w.size() == 4) recv_cpu[std::stoull(w[1])] = std::stod(w[2]);
+  std::string dev_b;
+  for (auto& w : lb)
+    if (w[0] == "name" && w.size() >= 4) dev_b = w[3];
   for (auto& w : la) {
-    if (w[0] == "name" && w.size() >= 4) res->name = w[1] + " (" + w[2] + ", " + w[3] + ")";
+    if (w[0] == "name" && w.size() >= 4)
+      res->name = w[1] + " (" + w[2] + ", " + w[3] + (dev_b.empty() || dev_b == w[3] ? "" : " -> " + dev_b) + ")";
     if (w[0] == "bw" && w.size() == 6) {
       const size_t size = std::stoull(w[1]);
       const double secs = std::stod(w[2]), msgs = std::stod(w[3]);
@@ -721,14 +739,14 @@ void run_plugin(const Options& o, const std::string& path, const std::string& ca
 
 // ---- the engine's own write-with-immediate ------------------------------------------------------
 
-EngineOptions engine_options(const Options& o) {
+EngineOptions engine_options(const Options& o, bool side_a) {
   EngineOptions e;
-  e.groups.push_back(std::vector<size_t>(static_cast<size_t>(o.nics), 0));
+  e.groups.push_back(std::vector<size_t>(static_cast<size_t>(o.nics), static_cast<size_t>(side_a ? o.dev_a : o.dev_b)));
   return e;
 }
 
 void engine_receiver(const Options& o, const Channel& ch) {
-  auto e = Engine::create(engine_options(o));
+  auto e = Engine::create(engine_options(o, false));
   if (!e.ok()) die(e.status().message());
   const size_t len = o.engine_size * static_cast<size_t>(o.window);
   auto* buf = static_cast<uint8_t*>(std::aligned_alloc(4096, (len + 4095) / 4096 * 4096));
@@ -763,7 +781,7 @@ Row engine_sender(const Options& o, const Caller& caller) {
   if (!peer.channel().recv(&addr) || !peer.channel().recv(&region_bytes)) die("engine peer");
   auto region = RemoteRegion::decode(region_bytes);
   if (!region.ok()) die(region.status().message());
-  auto e = Engine::create(engine_options(o));
+  auto e = Engine::create(engine_options(o, true));
   if (!e.ok()) die(e.status().message());
   Engine& eng = **e;
   auto peer_id = eng.connect(0, addr);
