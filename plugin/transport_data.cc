@@ -253,7 +253,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   r->shards = 0;
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
   if (!start_op(c, r)) return refusal(c);
-  LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, kCtsSlotBytes};
+  LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
   Status st = e.write_imm_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
                           imm_value(false, c->remote_comm_id, number),
                           Notify{&op_done, r});

@@ -257,7 +257,7 @@ Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8
   if (elems.empty() || elems.size() > static_cast<size_t>(kMaxRecvs))
     return Status(Code::kInvalidArgument, "CTS: %zu buffers, must be 1..%d", elems.size(),
                   kMaxRecvs);
-  put_header(out, 'T', kCtsHeader + elems.size() * kCtsElemBytes);
+  put_header(out, 'T', cts_bytes(static_cast<int>(elems.size())));
   put<uint32_t>(out + 4, request_number);
   out[8] = static_cast<uint8_t>(elems.size());
   std::memset(out + 9, 0, 7);
@@ -290,7 +290,7 @@ Result<int> decode_cts_header(const uint8_t* slot, uint32_t expected_request_num
                   expected_request_number);
   const int n = slot[8];
   if (n < 1 || n > kMaxRecvs ||
-      get<uint16_t>(slot + 2) != kCtsHeader + static_cast<size_t>(n) * kCtsElemBytes)
+      get<uint16_t>(slot + 2) != cts_bytes(n))
     return Status(Code::kInvalidArgument, "CTS: bad buffer count %d", n);
   return n;
 }

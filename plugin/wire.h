@@ -149,9 +149,10 @@ Result<RejectMsg> decode_reject(std::span<const uint8_t> bytes);
 Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 
 // ---------------------------------------------------------------------------------------------
-// CTS FIFO slot: what irecv writes into slot (request % 32) of the sender's FIFO, always whole
-// (kCtsSlotBytes), with the slot's CTS immediate. The immediate, not any byte of the slot, says
-// that the slot is complete.
+// CTS FIFO slot: what irecv writes into slot (request % 32) of the sender's FIFO: its header and
+// its n elements (cts_bytes(n): 144 bytes for one buffer, small enough for a verbs inline send, not
+// the whole kCtsSlotBytes), with the slot's CTS immediate. The immediate, not any byte of the slot,
+// says that the slot is complete; the sender reads no byte past the n elements.
 //   header (16): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
 //                7 pad
 //   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 flags,
@@ -166,6 +167,8 @@ constexpr size_t kCtsElemHeader = 32;
 constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
 constexpr size_t kCtsSlotBytes = kCtsHeader + kMaxRecvs * kCtsElemBytes;
 constexpr size_t kFifoBytes = kMaxRequests * kCtsSlotBytes;
+// The bytes of a slot that a CTS for n buffers fills (its header's length field).
+constexpr size_t cts_bytes(int n) { return kCtsHeader + static_cast<size_t>(n) * kCtsElemBytes; }
 
 constexpr uint32_t kCtsInline = 1;
 

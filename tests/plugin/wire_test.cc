@@ -198,6 +198,35 @@ TEST(PluginWire, CtsSlotRoundTrip) {
   EXPECT_FALSE(decode_cts_header(zeros.data(), 0).ok());
 }
 
+// irecv writes only the CTS's header and its n elements (cts_bytes(n)), over whatever an earlier
+// CTS with more buffers left in the slot: encoding touches no byte past them, and the slot decodes
+// to the new CTS alone.
+TEST(PluginWire, CtsWritesOnlyItsElementsOverAStaleSlot) {
+  EXPECT_EQ(cts_bytes(1), 144u) << "one buffer's CTS: 16-byte header, one 128-byte element";
+  EXPECT_LT(cts_bytes(1), kCtsSlotBytes / 4);
+  const auto r4 = region(4).encode();
+  const auto r1 = region(1, 0x9000, 8192).encode();
+  std::vector<CtsElem> eight(kMaxRecvs, CtsElem{0, 1000, 7, r4});
+  std::vector<uint8_t> sender_slot(kCtsSlotBytes, 0);
+  ASSERT_TRUE(encode_cts(5, eight, sender_slot.data()).ok());  // request 5: eight buffers
+  std::vector<uint8_t> fresh(kCtsSlotBytes, 0xee);
+  CtsElem one[1] = {CtsElem{4096, 2048, 3, r1}};
+  ASSERT_TRUE(encode_cts(37, one, fresh.data()).ok());  // request 37, the same slot: one buffer
+  for (size_t i = cts_bytes(1); i < kCtsSlotBytes; ++i)
+    ASSERT_EQ(fresh[i], 0xee) << "encode_cts wrote byte " << i << " past its element";
+  std::memcpy(sender_slot.data(), fresh.data(), cts_bytes(1));  // what the write lands
+  auto n = decode_cts_header(sender_slot.data(), 37);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(n.value(), 1) << "the stale CTS's seven other elements are not read";
+  CtsElem e;
+  RemoteRegion r;
+  ASSERT_TRUE(decode_cts_elem(sender_slot.data(), 0, &e, &r).ok());
+  EXPECT_EQ(e.offset, 4096u);
+  EXPECT_EQ(e.size, 2048u);
+  EXPECT_EQ(e.tag, 3);
+  EXPECT_EQ(r.nics, 1);
+}
+
 TEST(PluginWire, CtsInlineFlagRoundTripsAndIsBounded) {
   std::vector<uint8_t> slot(kCtsSlotBytes, 0);
   const auto r1 = region(1, 0x9000, 8192).encode();
