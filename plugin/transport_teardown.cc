@@ -14,14 +14,29 @@ void delete_comm(CommBase* c) {
     delete static_cast<RecvComm*>(c);
 }
 
-// Frees a comm whose operations have all ended. Call with d->mu held.
+namespace {
+// Comms of a wedged group (core/watchdog.h), kept for good: the provider call the watchdog
+// claimed is still inside the provider, and when it returns (a stopped shm peer runs again) it
+// reads or writes the memory it was given, a CTS slot, a size record, an inline message.
+std::vector<CommBase*>& kept_comms() {
+  static auto* kept = new std::vector<CommBase*>;  // never destroyed: still referenced at exit
+  return *kept;
+}
+}  // namespace
+
+// Frees a comm whose operations have all ended. If its group is wedged the comm is kept, memory
+// and registrations (which the wedged group would refuse to close anyway): see kept_comms. Call
+// with d->mu held.
 void destroy_comm(Device* d, CommBase* c) {
   unpair_comm(c);  // no NOTICE reaches it any more
-  for (auto& mr : c->mrs) {
-    Status st = d->engine->deregister(mr);
-    if (!st.ok()) PONTE_NET_INFO("device %d: deregister failed: %s", d->index, st.message());
+  const bool wedged = !d->engine->group_status(d->group).ok();
+  if (!wedged) {
+    for (auto& mr : c->mrs) {
+      Status st = d->engine->deregister(mr);
+      if (!st.ok()) PONTE_NET_INFO("device %d: deregister failed: %s", d->index, st.message());
+    }
+    c->mrs.clear();
   }
-  c->mrs.clear();
   if (c->comm_id) {
     // Deregistered first: nothing can land in the comm's own buffers any more. Data for a
     // receive left outstanding may still land in NCCL's buffers: such an id waits.
@@ -31,6 +46,11 @@ void destroy_comm(Device* d, CommBase* c) {
           Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
   }
   d->comms.erase(c);
+  if (wedged) {
+    c->magic = kMagicFreed;
+    kept_comms().push_back(c);
+    return;
+  }
   delete_comm(c);
 }
 
