@@ -46,8 +46,7 @@ void destroy_comm(Device* d, CommBase* c) {
           Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
   }
   d->comms.erase(c);
-  if (wedged) {
-    c->magic = kMagicFreed;
+  if (wedged) {  // retire_comm marked it freed already: NCCL's calls on it are refused
     kept_comms().push_back(c);
     return;
   }
