@@ -62,8 +62,9 @@ struct EpBuffer::Impl {
     FlagSet sends{4};
   } slots[kSlots];
   uint64_t next_seq = 1;
-  std::vector<int32_t> scratch_e, cursor, in_counts;
-  std::vector<float> acc;
+  std::vector<int32_t> scratch_e, cursor, token_row, in_counts;
+  std::vector<uint32_t> rows_out;
+  std::vector<const uint8_t*> row_of;  // [max_tokens * K]: the combine row answering (t, k)
   std::vector<EpBlockHeader> headers;
   std::vector<uint8_t*> pack_at;
   FlagSet waits;
@@ -256,8 +257,10 @@ Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpC
   }
   im.scratch_e.assign(cfg.num_experts, 0);
   im.cursor.assign(static_cast<size_t>(W) * im.L, 0);
+  im.token_row.assign(W, -1);
+  im.rows_out.assign(W, 0);
   im.in_counts.assign(static_cast<size_t>(W) * im.L, 0);
-  im.acc.assign(static_cast<size_t>(cfg.max_tokens) * cfg.hidden, 0.0f);
+  im.row_of.assign(static_cast<size_t>(cfg.max_tokens) * cfg.topk, nullptr);
   im.headers.assign(W, {});
   im.pack_at.assign(W, nullptr);
   im.waits.reserve(2 * static_cast<size_t>(W) + 2);
@@ -305,13 +308,14 @@ Result<EpHandle> EpBuffer::dispatch_send(const EpRows& x, std::span<const int64_
   }
   for (int d = 0; d < im.W; d++) im.pack_at[d] = im.block(kDispatch, s, d == im.me ? 0 : 1, d) + im.hdr_bytes;
   pack_dispatch(im.shape, x.data, nullptr, topk_idx.data(), T, sl.counts.data(), im.pack_at.data(), im.cursor.data(),
-                sl.send_map.data());
+                im.token_row.data(), sl.send_map.data(), im.rows_out.data());
   const size_t stride = dispatch_row_stride(im.shape);
   for (int d = 0; d < im.W; d++) {
     EpBlockHeader& h = im.headers[d];
     h.phase = kEpPhaseDispatch;
-    h.rows = 0;
-    for (int l = 0; l < im.L; l++) h.rows += static_cast<uint32_t>(sl.counts[static_cast<size_t>(d) * im.L + l]);
+    h.rows = im.rows_out[d];
+    h.entries = 0;
+    for (int l = 0; l < im.L; l++) h.entries += static_cast<uint32_t>(sl.counts[static_cast<size_t>(d) * im.L + l]);
     h.data_bytes = h.rows * stride;
   }
   sl.state = kDispatchSent;
@@ -348,10 +352,11 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
     recv_count[l] = b;  // <= W * max_tokens: each source sends at most max_tokens rows per expert
   }
   for (int r = 0; r < im.W; r++) {
-    for (int l = 0; l < im.L; l++) im.cursor[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
-    unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, r) + im.hdr_bytes,
-                          &sl.recv_counts[static_cast<size_t>(r) * im.L], r, im.cursor.data(), recv_x.data, nullptr,
-                          sl.src_info.data());
+    for (int l = 0; l < im.L; l++) im.scratch_e[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
+    st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, r) + im.hdr_bytes, im.headers[r].rows,
+                               &sl.recv_counts[static_cast<size_t>(r) * im.L], r, im.scratch_e.data(), recv_x.data,
+                               nullptr, sl.src_info.data(), im.cursor.data());
+    if (!st.ok()) return im.fail(h, im.ci->rank_error(r, st, what));
   }
   sl.state = kDispatchReceived;
   return Status::Ok();
@@ -366,15 +371,23 @@ Status EpBuffer::combine_send(EpHandle& h, const EpRows& y) {
   PONTE_RETURN_IF_ERROR(im.check_rows(y, static_cast<size_t>(im.L) * recv_rows_per_expert(), what, "y"));
   Impl::Slot& sl = im.slots[h.slot_];
   const size_t stride = combine_row_stride(im.shape);
+  // The other ranks' blocks are packed and posted first, this rank's own after: the peers copy
+  // theirs in while this one is packed (only this rank's combine_recv reads it).
   for (int r = 0; r < im.W; r++) {
-    uint8_t* blk = im.block(kCombine, h.slot_, r == im.me ? 0 : 1, r);
     EpBlockHeader& hd = im.headers[r];
     hd.phase = kEpPhaseCombine;
-    hd.rows = pack_combine_block(im.shape, y.data, r, sl.layout.data(), blk + im.hdr_bytes);
+    if (r == im.me) {
+      hd.rows = 0;
+      for (int l = 0; l < im.L; l++) hd.rows += static_cast<uint32_t>(sl.layout[2 * (static_cast<size_t>(l) * im.W + r) + 1]);
+    } else {
+      hd.rows = pack_combine_block(im.shape, y.data, r, sl.layout.data(), im.block(kCombine, h.slot_, 1, r) + im.hdr_bytes);
+    }
+    hd.entries = hd.rows;
     hd.data_bytes = hd.rows * stride;
   }
   sl.state = kCombineSent;
   im.post_blocks(kCombine, h.slot_, static_cast<uint32_t>(sl.seq), sl.recv_counts.data());
+  pack_combine_block(im.shape, y.data, im.me, sl.layout.data(), im.block(kCombine, h.slot_, 0, im.me) + im.hdr_bytes);
   return Status::Ok();
 }
 
@@ -399,11 +412,17 @@ Status EpBuffer::combine_recv(EpHandle& h, std::span<const float> topk_weights, 
         break;
       }
   if (!st.ok()) return im.fail(h, st);
-  std::fill(im.acc.begin(), im.acc.begin() + static_cast<ptrdiff_t>(T * im.cfg.hidden), 0.0f);
-  for (int d = 0; d < im.W; d++)
-    reduce_combine_block(im.shape, im.block(kCombine, h.slot_, 0, d) + im.hdr_bytes, im.headers[d].rows,
-                         &sl.send_map[static_cast<size_t>(d) * im.max_rows], topk_weights.data(), im.acc.data());
-  finish_combine(im.shape, im.acc.data(), sl.routed.data(), static_cast<int>(T), out.data, accumulate);
+  // Where each (t, k)'s answer landed: row i of d's block answers send_map[d][i] (the counts were
+  // checked against what was sent above, so every row and every routed (t, k) is named once).
+  const size_t stride = combine_row_stride(im.shape);
+  std::fill(im.row_of.begin(), im.row_of.begin() + static_cast<ptrdiff_t>(T * im.cfg.topk), nullptr);
+  for (int d = 0; d < im.W; d++) {
+    const uint8_t* rows = im.block(kCombine, h.slot_, 0, d) + im.hdr_bytes;
+    const int32_t* map = &sl.send_map[static_cast<size_t>(d) * im.max_rows];
+    for (uint32_t i = 0; i < im.headers[d].rows; i++) im.row_of[static_cast<size_t>(map[i])] = rows + i * stride;
+  }
+  combine_tokens(im.shape, im.row_of.data(), topk_weights.data(), sl.routed.data(), static_cast<int>(T), out.data,
+                 accumulate);
   sl.state = kFree;
   sl.seq = 0;
   h.buf_ = nullptr;

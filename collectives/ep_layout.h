@@ -24,13 +24,13 @@ inline float bf16_to_float(uint16_t v) {
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);  // a select: vectorises
 }
 
 // Everything the layout depends on. Rows of x/y are row_bytes = hidden * dtype bytes; a dispatched
-// row also carries extra_bytes (fp8 scales later) and an 8-byte tag (token, k).
+// row also carries extra_bytes (fp8 scales later) and a tag naming its token and local experts.
 struct EpShape {
   int world = 1;
   int experts = 0;
@@ -46,37 +46,48 @@ EpShape make_ep_shape(int world, int experts, int max_tokens, int hidden, int to
                       size_t extra_bytes);
 
 // Block: [header][rows]. The header (ep_header_bytes(L), a multiple of 64):
-//   u8 version (1), u8 phase ('D' dispatch, 'C' combine), u16 header bytes, u32 rows, u32 seq,
+//   u8 version (2), u8 phase ('D' dispatch, 'C' combine), u16 header bytes, u32 rows, u32 seq,
 //   u32 data_imms (immediates of the separate data write; 0: rows came inline with the header),
-//   u64 data bytes, u32 L, u32 reserved, then L u32 counts (rows per local expert of the receiver,
-//   in row order: the rows of expert 0 first). Dispatch rows: i32 token, i32 k, row bytes, extra
-//   bytes, padded to dispatch_row_stride. Combine rows: row bytes padded to combine_row_stride, in
-//   the order of the dispatch block they answer.
-constexpr uint8_t kEpBlockVersion = 1;
+//   u64 data bytes, u32 L, u32 entries (routed copies: the sum of the counts), then L u32 counts
+//   (routed copies per local expert of the receiver).
+// Dispatch rows: one per (token, destination rank), in token order: a token picking several experts
+//   of one rank crosses to it once. Tag i32 token, i32 n, then K i32 local experts (the n it picked
+//   there, in k order, -1 after), padded to dispatch_tag_bytes, then row bytes, extra bytes, padded to dispatch_row_stride. The
+//   receiver copies the row into each named expert's block in (row, entry) order, which is the
+//   order in which the sender numbered its (t, k) per expert (send_map).
+// Combine rows: one per routed copy, row bytes padded to combine_row_stride, expert by expert in
+//   the order the dispatch block's copies were unpacked (so send_map names each one's (t, k)).
+constexpr uint8_t kEpBlockVersion = 2;
 constexpr uint8_t kEpPhaseDispatch = 'D';
 constexpr uint8_t kEpPhaseCombine = 'C';
 constexpr size_t kEpHeaderFixed = 32;
-constexpr size_t kEpTagBytes = 8;
 
 size_t ep_header_bytes(int local_experts);
+size_t dispatch_tag_bytes(const EpShape& s);  // 8 + 4 K, to 16 bytes (rows stay 16-byte aligned)
 size_t dispatch_row_stride(const EpShape& s);
 size_t combine_row_stride(const EpShape& s);
-// Most rows one rank sends to one rank: each token's K copies, and at most max_tokens per expert.
+// Most dispatch rows one rank sends to one rank: one per token.
+size_t max_dispatch_rows(const EpShape& s);
+// Most routed copies (combine rows) one rank sends to one rank: each token's K copies, and at
+// most max_tokens per expert.
 size_t max_rows_per_block(const EpShape& s);
 size_t dispatch_block_bytes(const EpShape& s);
 size_t combine_block_bytes(const EpShape& s);
 
 struct EpBlockHeader {
   uint8_t phase = 0;
-  uint32_t rows = 0;
+  uint32_t rows = 0;     // rows in the data area
+  uint32_t entries = 0;  // routed copies (= rows for combine)
   uint32_t seq = 0;
   uint32_t data_imms = 0;
   uint64_t data_bytes = 0;
 };
 
 void write_block_header(uint8_t* p, const EpShape& s, const EpBlockHeader& h, const int32_t* counts);
-// Rejects a wrong version, phase, seq, header size or L, counts that do not add up to rows or
-// exceed max_tokens, and data bytes that do not match the rows. counts_out: L entries.
+// Rejects a wrong version, phase, seq, header size or L, counts that do not add up to entries or
+// exceed max_tokens, more rows than fit, entries a dispatch block's rows cannot carry (fewer than
+// its rows, more than K per row) or a combine block's entries other than its rows, and data bytes
+// that do not match the rows. counts_out: L entries.
 Status read_block_header(const uint8_t* p, const EpShape& s, uint8_t phase, uint32_t seq,
                          EpBlockHeader* h, int32_t* counts_out);
 
@@ -88,17 +99,24 @@ Status check_routing(const EpShape& s, const int64_t* topk_idx, int tokens, int3
 // counts [W * L]: rows this rank sends to rank d for its local expert l, at counts[d * L + l].
 void count_routes(const EpShape& s, const int64_t* topk_idx, int tokens, int32_t* counts);
 
-// Packs every routed (t, k) into the data area of its destination's block (blocks[d] points at the
-// first row), grouped by local expert in expert order. send_map [W * max_rows_per_block] records,
-// per destination and row, t * K + k (what combine needs). cursor: scratch of W * L entries.
+// Packs each token once per destination rank it routes to into the data area of that rank's block
+// (blocks[d] points at the first row), rows in token order; rows_out[d] gets d's row count.
+// send_map [W * max_rows_per_block] records, per destination and routed copy in the receiver's
+// unpack order (expert by expert, then token and k order), t * K + k (what combine needs).
+// cursor: scratch of W * L entries; token_row: scratch of W entries.
 void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const int64_t* topk_idx, int tokens,
-                   const int32_t* counts, uint8_t* const* blocks, int32_t* cursor, int32_t* send_map);
+                   const int32_t* counts, uint8_t* const* blocks, int32_t* cursor, int32_t* token_row,
+                   int32_t* send_map, uint32_t* rows_out);
 
-// Copies the rows of one source's block (counts per local expert as in its header) into recv_x
-// (L blocks of W * max_tokens rows), expert l's rows starting at row begins[l] of its block, and
-// records (src, token) in src_info ([L, W * max_tokens, 2]). recv_extra may be null.
-void unpack_dispatch_block(const EpShape& s, const uint8_t* rows, const int32_t* counts, int src,
-                           const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info);
+// Copies each of one source's nrows rows into recv_x (L blocks of W * max_tokens rows) once per
+// local expert its tag names, expert l's copies starting at row begins[l] of its block, and
+// records (src, token) in src_info ([L, W * max_tokens, 2]). recv_extra may be null. The tags come
+// from a peer: a token out of range, a count of experts outside 1..K, an expert outside 0..L-1, or
+// copies per expert other than counts[l] (the header's) are refused, and nothing is written past
+// an expert's counted rows. cursor: scratch of L entries.
+Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* counts, int src,
+                             const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
+                             int32_t* cursor);
 
 // Gathers the rows of y answering source src's dispatch block, in that block's order, using
 // layout_range ([L, W, 2] of (begin, count)) into rows (combine stride). Returns the row count.
@@ -108,6 +126,16 @@ uint32_t pack_combine_block(const EpShape& s, const void* y, int src, const int3
 // destination's t * K + k per row. acc: [max_tokens, H] float32.
 void reduce_combine_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* send_map_d,
                           const float* topk_weights, float* acc);
+
+// The host's combine in one pass over this rank's tokens, token by token: out[t] = sum over k of
+// topk_weights[t, k] * row_of[t * K + k] (float32 sums in k order; a null row_of entry adds nothing),
+// plus out[t] with accumulate; tokens with routed[t] == 0 get zeros, or are left untouched with
+// accumulate. Sums stay in registers, 32 columns at a time, so each row is read once and nothing of
+// size T * H is cleared or read back (AVX2 + FMA where the CPU has them: FMA rounds once where mul +
+// add round twice). reduce_combine_block + finish_combine compute the same sums block by block (the
+// CUDA kernels' order; kept as their reference).
+void combine_tokens(const EpShape& s, const uint8_t* const* row_of, const float* topk_weights, const uint8_t* routed,
+                    int tokens, void* out, bool accumulate);
 
 // out[t] = acc[t] (or out[t] += acc[t] with accumulate), converted to the dtype. Tokens with
 // routed[t] == 0 (no valid expert) get zeros, or are left untouched with accumulate.

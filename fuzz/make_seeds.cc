@@ -228,6 +228,7 @@ Seeds all_seeds() {
     EpBlockHeader h;
     h.phase = phase;
     h.rows = 18;
+    h.entries = 18;
     h.seq = 7;
     h.data_imms = 1;
     h.data_bytes = 18 * (phase == kEpPhaseDispatch ? dispatch_row_stride(shape) : combine_row_stride(shape));

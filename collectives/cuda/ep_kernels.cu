@@ -11,7 +11,7 @@ namespace {
 struct DevShape {  // what the kernels need of an EpShape, by value
   int world, experts, local_experts, max_tokens, hidden, topk;
   int bf16;
-  size_t row_bytes, extra_bytes, dispatch_stride, combine_stride, max_rows;
+  size_t row_bytes, extra_bytes, dispatch_tag, dispatch_stride, combine_stride, max_rows;
 };
 
 DevShape dev_shape(const EpShape& s) {
@@ -25,6 +25,7 @@ DevShape dev_shape(const EpShape& s) {
   d.bf16 = s.dtype == DType::kBFloat16;
   d.row_bytes = s.row_bytes;
   d.extra_bytes = s.extra_bytes;
+  d.dispatch_tag = dispatch_tag_bytes(s);
   d.dispatch_stride = dispatch_row_stride(s);
   d.combine_stride = combine_row_stride(s);
   d.max_rows = max_rows_per_block(s);
@@ -63,60 +64,86 @@ __global__ void count_kernel(const int64_t* idx, size_t n, int32_t* counts) {
   }
 }
 
-// cursor[d * L + l] = first row of (d, l) in d's block (exclusive scan over l per destination).
-__global__ void cursor_kernel(DevShape s, const int32_t* counts, int32_t* cursor) {
-  int d = blockIdx.x * blockDim.x + threadIdx.x;
+// One thread per destination d: numbers d's rows (one per token routing to d, in token order) and
+// its copies per expert in (t, k) order, as the host's pack_dispatch does.
+__global__ void plan_pack_kernel(DevShape s, const int64_t* idx, int tokens, const int32_t* counts, int32_t* cursor,
+                                 int32_t* token_row, int32_t* send_map, int32_t* rows_out) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= s.world) return;
+  const int L = s.local_experts;
   int32_t at = 0;
-  for (int l = 0; l < s.local_experts; l++) {
-    cursor[d * s.local_experts + l] = at;
-    at += counts[d * s.local_experts + l];
+  for (int l = 0; l < L; l++) {
+    cursor[d * L + l] = at;
+    at += counts[d * L + l];
   }
+  int32_t rows = 0;
+  for (int t = 0; t < tokens; t++) {
+    bool hit = false;
+    for (int k = 0; k < s.topk; k++) {
+      const int64_t e = idx[static_cast<size_t>(t) * s.topk + k];
+      if (e < 0 || e / L != d) continue;
+      hit = true;
+      send_map[static_cast<size_t>(d) * s.max_rows + cursor[e]++] = t * s.topk + k;
+    }
+    token_row[static_cast<size_t>(t) * s.world + d] = hit ? rows++ : -1;
+  }
+  rows_out[d] = rows;
 }
 
-// One block per (t, k): takes a row slot with an atomic, writes the tag, copies the row.
+// One block per (token, destination): the tag (token, n, the local experts in k order, -1 after)
+// and the row.
 __global__ void pack_kernel(DevShape s, const uint8_t* x, const int64_t* idx, uint8_t* base, size_t block_stride,
-                            size_t block_offset, int32_t* cursor, int32_t* send_map) {
-  const int tk = blockIdx.x;
-  const int t = tk / s.topk, k = tk % s.topk;
-  const int64_t e = idx[tk];
-  if (e < 0) return;
-  __shared__ int32_t row;
-  const int d = static_cast<int>(e / s.local_experts);
-  if (threadIdx.x == 0) {
-    row = atomicAdd(&cursor[e], 1);
-    send_map[static_cast<size_t>(d) * s.max_rows + row] = tk;
-  }
-  __syncthreads();
+                            size_t block_offset, const int32_t* token_row) {
+  const int t = blockIdx.x / s.world, d = blockIdx.x % s.world;
+  const int32_t row = token_row[static_cast<size_t>(t) * s.world + d];
+  if (row < 0) return;
   uint8_t* p = base + block_stride * d + block_offset + static_cast<size_t>(row) * s.dispatch_stride;
   if (threadIdx.x == 0) {
-    reinterpret_cast<int32_t*>(p)[0] = t;
-    reinterpret_cast<int32_t*>(p)[1] = k;
+    int32_t* tag = reinterpret_cast<int32_t*>(p);
+    int32_t n = 0;
+    for (int k = 0; k < s.topk; k++) {
+      const int64_t e = idx[static_cast<size_t>(t) * s.topk + k];
+      if (e >= 0 && e / s.local_experts == d) tag[2 + n++] = static_cast<int32_t>(e % s.local_experts);
+    }
+    for (int j = n; j < s.topk; j++) tag[2 + j] = -1;
+    tag[0] = t;
+    tag[1] = n;
   }
-  // The row starts 8 bytes in: copy with 8-byte words.
-  const uint64_t* src = reinterpret_cast<const uint64_t*>(x + static_cast<size_t>(t) * s.row_bytes);
-  uint64_t* dst = reinterpret_cast<uint64_t*>(p + kEpTagBytes);
-  if ((s.row_bytes & 7) == 0 && (reinterpret_cast<uintptr_t>(src) & 7) == 0) {
-    for (size_t i = threadIdx.x; i < s.row_bytes / 8; i += blockDim.x) dst[i] = src[i];
-  } else {
-    for (size_t i = threadIdx.x; i < s.row_bytes; i += blockDim.x)
-      p[kEpTagBytes + i] = x[static_cast<size_t>(t) * s.row_bytes + i];
+  copy_bytes(p + s.dispatch_tag, x + static_cast<size_t>(t) * s.row_bytes, s.row_bytes, threadIdx.x, blockDim.x);
+}
+
+// One thread per local expert l: numbers l's copies in this block in (row, entry) order.
+__global__ void plan_unpack_kernel(DevShape s, const uint8_t* rows, uint32_t nrows, int32_t* pos) {
+  const int l = blockIdx.x * blockDim.x + threadIdx.x;
+  if (l >= s.local_experts) return;
+  int32_t c = 0;
+  for (uint32_t i = 0; i < nrows; i++) {
+    const int32_t* tag = reinterpret_cast<const int32_t*>(rows + static_cast<size_t>(i) * s.dispatch_stride);
+    const int32_t n = min(max(tag[1], 0), s.topk);
+    for (int j = 0; j < n; j++)
+      if (tag[2 + j] == l) pos[static_cast<size_t>(i) * s.topk + j] = c++;
   }
 }
 
-// One block per row of the source's block; the row's expert is found from the counts.
+// One block per row: copies it to each expert its tag names.
 __global__ void unpack_kernel(DevShape s, const uint8_t* rows, const int32_t* counts, int src, const int32_t* begins,
-                              uint8_t* recv_x, int32_t* src_info) {
+                              const int32_t* pos, uint8_t* recv_x, int32_t* src_info) {
   const int i = blockIdx.x;
-  int l = 0, first = 0;
-  while (l < s.local_experts && i >= first + counts[l]) first += counts[l++];
-  if (l >= s.local_experts) return;
   const uint8_t* p = rows + static_cast<size_t>(i) * s.dispatch_stride;
-  const size_t r = static_cast<size_t>(l) * s.world * s.max_tokens + begins[l] + (i - first);
-  copy_bytes(recv_x + r * s.row_bytes, p + kEpTagBytes, s.row_bytes, threadIdx.x, blockDim.x);
-  if (threadIdx.x == 0) {
-    src_info[2 * r] = src;
-    src_info[2 * r + 1] = reinterpret_cast<const int32_t*>(p)[0];
+  const int32_t* tag = reinterpret_cast<const int32_t*>(p);
+  const int32_t t = tag[0], n = min(max(tag[1], 0), s.topk);
+  if (t < 0 || t >= s.max_tokens) return;
+  for (int j = 0; j < n; j++) {
+    const int32_t l = tag[2 + j];
+    if (l < 0 || l >= s.local_experts) continue;
+    const int32_t at = pos[static_cast<size_t>(i) * s.topk + j];
+    if (at < 0 || at >= counts[l]) continue;
+    const size_t r = static_cast<size_t>(l) * s.world * s.max_tokens + begins[l] + at;
+    copy_bytes(recv_x + r * s.row_bytes, p + s.dispatch_tag, s.row_bytes, threadIdx.x, blockDim.x);
+    if (threadIdx.x == 0) {
+      src_info[2 * r] = src;
+      src_info[2 * r + 1] = t;
+    }
   }
 }
 
@@ -180,25 +207,25 @@ int ep_count_routes(const EpShape& s, const int64_t* topk_idx, int tokens, int32
 }
 
 int ep_pack_dispatch(const EpShape& s, const void* x, const int64_t* topk_idx, int tokens, const int32_t* counts,
-                     uint8_t* blocks_base, size_t block_stride, size_t block_offset, int32_t* cursor, int32_t* send_map,
-                     void* stream) {
+                     uint8_t* blocks_base, size_t block_stride, size_t block_offset, int32_t* cursor, int32_t* token_row,
+                     int32_t* send_map, int32_t* rows_out, void* stream) {
   DevShape d = dev_shape(s);
-  cursor_kernel<<<(s.world + 63) / 64, 64, 0, st(stream)>>>(d, counts, cursor);
-  const int n = tokens * s.topk;
+  plan_pack_kernel<<<(s.world + 63) / 64, 64, 0, st(stream)>>>(d, topk_idx, tokens, counts, cursor, token_row, send_map,
+                                                                rows_out);
+  const size_t n = static_cast<size_t>(tokens) * s.world;
   if (n)
-    pack_kernel<<<n, threads_for(s.row_bytes), 0, st(stream)>>>(d, static_cast<const uint8_t*>(x), topk_idx, blocks_base,
-                                                                block_stride, block_offset, cursor, send_map);
+    pack_kernel<<<static_cast<unsigned>(n), threads_for(s.row_bytes), 0, st(stream)>>>(
+        d, static_cast<const uint8_t*>(x), topk_idx, blocks_base, block_stride, block_offset, token_row);
   return last();
 }
 
-int ep_unpack_dispatch_block(const EpShape& s, const uint8_t* rows, const int32_t* counts, int src, const int32_t* begins,
-                             void* recv_x, int32_t* src_info, void* stream) {
-  // The row count is the sum of counts, known to the caller from the header on the host side; the
-  // grid covers the most a block holds and idle blocks return at once.
-  const size_t n = max_rows_per_block(s);
-  if (n)
-    unpack_kernel<<<static_cast<unsigned>(n), threads_for(s.row_bytes), 0, st(stream)>>>(
-        dev_shape(s), rows, counts, src, begins, static_cast<uint8_t*>(recv_x), src_info);
+int ep_unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* counts, int src,
+                             const int32_t* begins, void* recv_x, int32_t* src_info, int32_t* pos, void* stream) {
+  if (!nrows) return last();
+  DevShape d = dev_shape(s);
+  plan_unpack_kernel<<<(s.local_experts + 63) / 64, 64, 0, st(stream)>>>(d, rows, nrows, pos);
+  unpack_kernel<<<nrows, threads_for(s.row_bytes), 0, st(stream)>>>(d, rows, counts, src, begins, pos,
+                                                                     static_cast<uint8_t*>(recv_x), src_info);
   return last();
 }
 
