@@ -14,13 +14,21 @@ void note_error(Request* r, const Status& st) {
                                    std::memory_order_acq_rel);
 }
 
-// Notify target of every data-path operation.
+// Notify target of every data-path operation. The last operation to end after the other end
+// asked this one to stop (BROKEN or CLOSED) sends the ACK it waits for: NCCL's abort never calls
+// test() again, and the other end's deregMr waits for that ACK. `callbacks` keeps the comm from
+// being freed while this runs after dropping `inflight` (ready_to_free checks inflight, then
+// callbacks). Sequentially consistent, as on_notice's store of peer_stop and load of inflight:
+// either this sees peer_stop, or on_notice sees no operation left and answers itself.
 void op_done(void* arg, const Status& st) {
   auto* r = static_cast<Request*>(arg);
   CommBase* c = r->comm;
   if (!st.ok()) note_error(r, st);
   r->pending.fetch_sub(1, std::memory_order_acq_rel);
-  c->inflight.fetch_sub(1, std::memory_order_acq_rel);  // last touch: the comm may go after this
+  c->callbacks.fetch_add(1);
+  if (c->inflight.fetch_sub(1) == 1 && c->peer_stop.load()) [[unlikely]]
+    answer_stop(c);
+  c->callbacks.fetch_sub(1, std::memory_order_release);  // last touch: the comm may go after this
 }
 
 // Notify target of an operation that uses a user registration (Request::held): releases it first.

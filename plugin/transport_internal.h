@@ -174,6 +174,7 @@ struct CommBase {
   uint32_t comm_id = 0;         // local: imm values landing here carry it
   uint32_t remote_comm_id = 0;  // the peer comm's
   std::atomic<uint32_t> inflight{0};  // engine operations not yet completed
+  std::atomic<uint32_t> callbacks{0};  // completion callbacks still touching the comm (op_done)
   bool dirty = false;                 // closed with requests outstanding
   bool is_send = false;
   std::vector<MemoryRegion> mrs;      // the protocol's own registrations
@@ -191,6 +192,7 @@ struct CommBase {
   uint64_t peer_count = 0;               // ... after starting this many requests
   std::atomic<bool> ack_sent{false};     // our ACK to peer_stop went (or is being sent)
   std::atomic<bool> acked{false};        // the other end's ACK arrived: it writes here no more
+  bool ack_given_up = false;             // a deregMr waited PONTE_TIMEOUT_MS for that ACK in vain
   bool closed_sent = false;              // closed, and NOTICE CLOSED sent
   Clock::time_point close_deadline;      // closed: free the buffers by then in any case
 };

@@ -69,12 +69,13 @@ namespace {
 // the deregistration would break the connection every comm of this device pair shares. Each recv
 // comm with an outstanding receive into m is broken first (the sender hears BROKEN, stops and
 // answers ACK once its writes have ended), and this waits for the answers, at most
-// PONTE_TIMEOUT_MS (then the deregistration goes ahead and is logged). Call with d->mu held; it is
-// released while waiting.
+// PONTE_TIMEOUT_MS (then the deregistration goes ahead and is logged, and later deregistrations
+// do not wait for that comm again: an abort deregisters dozens of buffers). Call with d->mu held;
+// it is released while waiting.
 void quiesce_senders_into(Device* d, const MrEntry* m, std::unique_lock<std::mutex>& lock) {
   std::vector<CommBase*> exposed;
   for (CommBase* c : d->comms) {
-    if (c->is_send || !c->paired || c->acked.load(std::memory_order_acquire)) continue;
+    if (c->is_send || !c->paired || c->ack_given_up || c->acked.load(std::memory_order_acquire)) continue;
     auto* rc = static_cast<RecvComm*>(c);
     bool hit = false;
     for (const RecvRequest& q : rc->reqs)
@@ -84,6 +85,10 @@ void quiesce_senders_into(Device* d, const MrEntry* m, std::unique_lock<std::mut
   if (exposed.empty()) return;
   const auto deadline = Clock::now() + std::chrono::milliseconds(global_config().timeout_ms);
   for (CommBase* c : exposed) break_comm(c, Code::kCancelled);
+  // BROKEN goes again every kRetell: the sender's ACK may have found no control buffer free when
+  // its last operation ended (answer_stop leaves it owed), and a repeated BROKEN asks for it again.
+  constexpr auto kRetell = std::chrono::milliseconds(50);
+  auto retell_at = Clock::now() + kRetell;
   for (;;) {
     // A comm closed and freed meanwhile (by another thread while mu was released) is done with.
     std::erase_if(exposed, [&](CommBase* c) { return d->comms.count(c) == 0; });
@@ -94,7 +99,14 @@ void quiesce_senders_into(Device* d, const MrEntry* m, std::unique_lock<std::mut
       waiting = true;
     }
     if (!waiting) return;
+    if (Clock::now() >= retell_at) {
+      for (CommBase* c : exposed)
+        if (!c->acked.load(std::memory_order_acquire)) (void)send_notice(c, NoticeWhat::kBroken);
+      retell_at = Clock::now() + kRetell;
+    }
     if (Clock::now() >= deadline) {
+      for (CommBase* c : exposed)
+        if (!c->acked.load(std::memory_order_acquire)) c->ack_given_up = true;
       PONTE_NET_WARN("device %d: deregMr of %p: a sender still writing into it did not answer "
                      "within PONTE_TIMEOUT_MS; deregistering anyway", d->index,
                      reinterpret_cast<void*>(m->start));

@@ -58,6 +58,7 @@ void destroy_comm(Device* d, CommBase* c) {
 // buffers until that end stops writing into them (see "comm pairs" in transport_internal.h).
 bool ready_to_free(Device* d, CommBase* c) {
   if (c->inflight.load(std::memory_order_acquire) != 0) return false;
+  if (c->callbacks.load(std::memory_order_acquire) != 0) return false;  // after inflight: see op_done
   if (!c->paired) return true;
   answer_stop(c);  // both ends closing: ours ended, so the other end's CLOSED is answered too
   const bool dead = d->engine->peer_dead(d->group, c->peer);
@@ -113,7 +114,7 @@ void teardown_device(Device* d) {
   // Registrations no operation uses any more go first, while the engine runs.
   reap_graveyard(d);
   for (CommBase* c : d->comms) {
-    if (c->inflight.load(std::memory_order_acquire) != 0) continue;
+    if (c->inflight.load(std::memory_order_acquire) != 0 || c->callbacks.load(std::memory_order_acquire) != 0) continue;
     for (auto& mr : c->mrs) (void)d->engine->deregister(mr);
     c->mrs.clear();
   }

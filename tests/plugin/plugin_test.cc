@@ -536,9 +536,17 @@ void abort_rounds(const Net& net, int rounds, std::string* error) {
       void* req = nullptr;
       if (post_send(net, p.send, sbuf[i], kMiB, i, smh[i], &req) != kSuccess) break;  // abandoned
     }
+    // The sender hears BROKEN from the first receive deregistered; its last write to end answers
+    // ACK from the engine's callback (NCCL never tests these requests again), so no deregMr may
+    // wait out PONTE_TIMEOUT_MS (each used to, over shm: 32 x 5 s a round).
+    const auto limit = std::chrono::milliseconds(std::atoi(std::getenv("PONTE_TIMEOUT_MS"))) / 2;
     for (int i = 0; i < kBuffers; ++i) {
       if (smh[i]) net->dereg_mr(p.send, smh[i]);
+      const auto t0 = Clock::now();
       if (rmh[i]) net->dereg_mr(p.recv, rmh[i]);
+      if (Clock::now() - t0 > limit && error->empty())
+        *error = "round " + std::to_string(round) + ": deregMr of receive buffer " + std::to_string(i) +
+                 " waited more than PONTE_TIMEOUT_MS / 2 for the sender's ACK";
       std::free(sbuf[i]);
       std::free(rbuf[i]);
     }
