@@ -337,14 +337,26 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
   if (recv_count.size() < static_cast<size_t>(im.L))
     return Status(Code::kInvalidArgument, "%s: recv_count has %zu entries, needs %d", what, recv_count.size(), im.L);
   Impl::Slot& sl = im.slots[h.slot_];
-  Status st = im.receive_blocks(kDispatch, h.slot_, static_cast<uint32_t>(sl.seq), what);
+  const int me = im.me, L = im.L;
+  // This rank's own block is here already: it is unpacked while the others' are still in flight,
+  // its rows first in each expert's block (layout_range says where each source's rows are).
+  std::fill(sl.src_info.begin(), sl.src_info.end(), -1);
+  int32_t* own = &im.in_counts[static_cast<size_t>(me) * L];
+  Status st = read_block_header(im.block(kDispatch, h.slot_, 0, me), im.shape, kEpPhaseDispatch,
+                                static_cast<uint32_t>(sl.seq), &im.headers[me], own);
+  std::fill(im.scratch_e.begin(), im.scratch_e.begin() + L, 0);
+  if (st.ok())
+    st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, me) + im.hdr_bytes, im.headers[me].rows, own, me,
+                               im.scratch_e.data(), recv_x.data, nullptr, sl.src_info.data(), im.cursor.data());
+  if (!st.ok()) return im.fail(h, st);
+  st = im.receive_blocks(kDispatch, h.slot_, static_cast<uint32_t>(sl.seq), what);
   if (!st.ok()) return im.fail(h, st);
   sl.recv_counts = im.in_counts;
-  std::fill(sl.src_info.begin(), sl.src_info.end(), -1);
-  for (int l = 0; l < im.L; l++) {
+  for (int l = 0; l < L; l++) {
     int32_t b = 0;
-    for (int r = 0; r < im.W; r++) {
-      const int32_t c = sl.recv_counts[static_cast<size_t>(r) * im.L + l];
+    for (int i = 0; i < im.W; i++) {
+      const int r = (me + i) % im.W;  // this rank first
+      const int32_t c = sl.recv_counts[static_cast<size_t>(r) * L + l];
       sl.layout[2 * (static_cast<size_t>(l) * im.W + r)] = b;
       sl.layout[2 * (static_cast<size_t>(l) * im.W + r) + 1] = c;
       b += c;
@@ -352,9 +364,10 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
     recv_count[l] = b;  // <= W * max_tokens: each source sends at most max_tokens rows per expert
   }
   for (int r = 0; r < im.W; r++) {
-    for (int l = 0; l < im.L; l++) im.scratch_e[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
+    if (r == me) continue;
+    for (int l = 0; l < L; l++) im.scratch_e[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
     st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, r) + im.hdr_bytes, im.headers[r].rows,
-                               &sl.recv_counts[static_cast<size_t>(r) * im.L], r, im.scratch_e.data(), recv_x.data,
+                               &sl.recv_counts[static_cast<size_t>(r) * L], r, im.scratch_e.data(), recv_x.data,
                                nullptr, sl.src_info.data(), im.cursor.data());
     if (!st.ok()) return im.fail(h, im.ci->rank_error(r, st, what));
   }

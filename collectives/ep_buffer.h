@@ -44,7 +44,9 @@ class EpHandle {
   // [L, W * max_tokens, 2]; rows of expert l past recv_count[l] are -1. Valid after dispatch_recv.
   std::span<const int32_t> src_info() const;
   // Per local expert and source rank, int32 pairs (begin, count) of that source's rows inside the
-  // expert's block of recv_x: [L, W, 2]. Valid after dispatch_recv.
+  // expert's block of recv_x: [L, W, 2]. The ranges tile the block from row 0, this rank's own
+  // rows first (unpacked while the others' are in flight), then the other ranks' in rank order.
+  // Valid after dispatch_recv.
   std::span<const int32_t> layout_range() const;
   int num_tokens() const;  // T of the dispatch that made this handle
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -163,13 +164,20 @@ std::string check_dispatch(EpBuffer& buf, const EpHandle& h, int W, int me, int 
                       me * L + l, i, info[2 * row], info[2 * row + 1], r, t);
       got.push_back({r, t});
     }
-    for (int r = 0, at = 0; r < W; r++) {
-      const int b = layout[2 * (l * W + r)], c = layout[2 * (l * W + r) + 1];
+    // The sources' ranges tile the expert's rows in some order (this rank's own first, then the
+    // others in rank order, today; DeepEP assigns them as blocks arrive): no gap, no overlap.
+    std::vector<std::array<int, 3>> ranges;  // begin, count, rank
+    for (int r = 0; r < W; r++) ranges.push_back({layout[2 * (l * W + r)], layout[2 * (l * W + r) + 1], r});
+    std::sort(ranges.begin(), ranges.end());
+    int at = 0;
+    for (auto [b, c, r] : ranges) {
+      if (c == 0) continue;
       CHECK_OR_RETURN(b == at, "expert %d: layout_range of rank %d begins at %d, expected %d", me * L + l, r, b, at);
       for (int i = b; i < b + c; i++)
         CHECK_OR_RETURN(info[2 * (static_cast<size_t>(l) * per + i)] == r, "expert %d row %d is not from rank %d", me * L + l, i, r);
       at += c;
     }
+    CHECK_OR_RETURN(at == recv_count[l], "expert %d: layout_range covers %d rows of %d", me * L + l, at, recv_count[l]);
     std::sort(got.begin(), got.end());
     std::sort(want[l].begin(), want[l].end());
     CHECK_OR_RETURN(got == want[l], "expert %d: received rows differ from the routed multiset", me * L + l);
