@@ -205,7 +205,7 @@ class NicGroup {
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
   void release_token();
   static bool pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics);
-  void linger();  // orderly shutdown on the worker, after run() (bounded by kLingerMs)
+  void linger();  // orderly shutdown on the worker, after run() (bounded: see nic_group_worker.cc)
   bool poll_nics();
   bool drain_queue();
   void start_op(const Op& op);

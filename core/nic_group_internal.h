@@ -37,5 +37,6 @@ inline constexpr uint32_t kPollerHoldUs = 200;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.
 inline constexpr uint32_t kSpinYieldAfterUs = 20;
 inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
+inline constexpr uint32_t kLingerIdleMs = 2000;  // orderly shutdown: posted work may go this long without a completion
 
 }  // namespace ponte
