@@ -83,8 +83,9 @@ struct EngineOptions {
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(EngineOptions opts = {});
-  // Orderly shutdown: operations submitted before it run to their end (at most 250 ms, or
-  // PONTE_TIMEOUT_MS if shorter; the rest end with kCancelled), counters still waiting end with
+  // Orderly shutdown: operations submitted before it run to their end (until 2 s pass without a
+  // completion, or PONTE_TIMEOUT_MS if shorter, and PONTE_TIMEOUT_MS in all; the rest end with
+  // kCancelled), counters still waiting end with
   // kCancelled, peers are told (they see their ops toward us end kPeerDead), registrations still
   // open are closed. Every callback has run when it returns. Submissions racing it get kCancelled.
   ~Engine();
