@@ -3,8 +3,8 @@
 //
 //   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]
 //                [--sizes 1k,..,64m] [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N]
-//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--engine-size 4m]
-//                [--no-engine] [--abi 11|10|9|8] [--timeout 60] [--json]
+//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]
+//                [--engine-size 4m] [--no-engine] [--abi 11|10|9|8] [--timeout 60] [--json]
 //
 // Every run is two fresh processes (this binary started again), each loading one plugin (the
 // newest of ncclNetPlugin_v11 .. _v8 it exports, or the one --abi names), reading its device
@@ -14,6 +14,9 @@
 // average is printed before and after). The bandwidth loop makes one plugin call per pass per
 // comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free, or else
 // test the oldest one; --pass all posts every free slot and tests every request on each pass.
+// --channels N connects N send/receive comm pairs between the two sides, as NCCL opens one per
+// channel, and the pass goes over all of them (NCCL's proxy steps every channel's op in one loop):
+// a row's messages are dealt round the channels, each with its own window.
 // The engine's own write-with-immediate bandwidth (the ceiling of ponte's plugin) is measured in
 // this process at --engine-size with the same caller loop. --devs A,B puts side A on the plugin's
 // device A and side B on device B (and the engine's ends on the backend's devices A and B), as two
@@ -56,6 +59,7 @@ struct Options {
   int repeat = 3;
   int nics = 1;
   int dev_a = 0, dev_b = 0;  // --devs A,B
+  int channels = 1;          // --channels N: comm pairs, each with `window` requests in flight
   size_t engine_size = 4u << 20;
   bool engine = true;
   int timeout_s = 60;
@@ -105,8 +109,8 @@ std::vector<size_t> parse_sizes(const std::string& s) {
 constexpr const char* kUsage =
     "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]\n"
     "                    [--sizes LIST] [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N]\n"
-    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--engine-size 4m]\n"
-    "                    [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
+    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]\n"
+    "                    [--engine-size 4m] [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
 
 Options parse_options(int argc, char** argv, int first) {
   Options o;
@@ -146,6 +150,7 @@ Options parse_options(int argc, char** argv, int first) {
       o.dev_a = std::stoi(v.substr(0, comma));
       o.dev_b = std::stoi(v.substr(comma + 1));
     }
+    else if (a == "--channels") o.channels = std::stoi(next());
     else if (a == "--engine-size") o.engine_size = parse_bytes(next());
     else if (a == "--no-engine") o.engine = false;
     else if (a == "--timeout") o.timeout_s = std::stoi(next());
@@ -164,6 +169,7 @@ Options parse_options(int argc, char** argv, int first) {
       o.repeat < 1 || o.lat_iters < 1 || o.iters < 0 || o.timeout_s < 1 || o.callers.empty())
     die("window must be 1..32, nics 1..4, repeat, lat-iters and timeout > 0");
   if (o.dev_a < 0 || o.dev_b < 0) die("--devs: device indexes are >= 0");
+  if (o.channels < 1 || o.channels > 32) die("--channels takes 1..32");
   if (o.nics > 1 && (o.dev_a != 0 || o.dev_b != 0)) die("--devs with --nics > 1: not supported");
   return o;
 }
@@ -173,7 +179,7 @@ int bw_iters(const Options& o, size_t size) {
   return static_cast<int>(std::clamp<size_t>(o.bytes / size, 64, 20000));
 }
 int bw_warmup(const Options& o, int iters) {
-  return o.warmup >= 0 ? o.warmup : std::max(2 * o.window, iters / 10);
+  return o.warmup >= 0 ? o.warmup : std::max(2 * o.window * o.channels, iters / 10);
 }
 
 // ---- time and CPU -----------------------------------------------------------------------------
@@ -379,24 +385,24 @@ struct Side {
   Clock::time_point deadline;
   NetV11* t = nullptr;
   void* ctx = nullptr;
-  void* send = nullptr;
-  void* recv = nullptr;
-  void* listen = nullptr;
+  // One entry per channel (--channels): its comms, listen comm and registrations.
+  std::vector<void*> sends = {}, recvs = {}, listens = {}, smhs = {}, rmhs = {};
   uint8_t* sbuf = nullptr;
   uint8_t* rbuf = nullptr;
   size_t slen = 0, rlen = 0;
-  void* smh = nullptr;
-  void* rmh = nullptr;
 
   void check(NcclResult r, const char* what) const {
     if (r != kSuccess) die((std::string(what) + " failed: " + std::to_string(r)).c_str());
     if (Clock::now() > deadline) die((std::string(what) + ": timed out").c_str());
   }
-  // Offset of receive slot i for messages of `size` bytes (slots share the buffer when it is short).
-  size_t slot(int i, size_t size) const {
-    const size_t off = static_cast<size_t>(i) * size;
+  // Offset of channel c's receive slot i for messages of `size` bytes (slots share the buffer
+  // when it is short).
+  size_t slot(int c, int i, size_t size) const {
+    const size_t off = (static_cast<size_t>(c) * static_cast<size_t>(o.window) + static_cast<size_t>(i)) * size;
     return off + size <= rlen ? off : 0;
   }
+  // Channel c's share of a row's `total` messages (dealt round the channels).
+  int quota(int total, int c) const { return total / o.channels + (c < total % o.channels ? 1 : 0); }
 
   // The window of one bandwidth row: request i of the row lives in slot i % window (--pass nccl)
   // or in any free slot (--pass all).
@@ -437,26 +443,47 @@ struct Side {
     return progress;
   }
 
-  // Sender side of a bandwidth row: window isends in flight, each slot re-posted when test()
-  // reports it done. Returns "secs msgs thread_ns proc_ns".
+  // One pass over every channel's window (bw_pass each); returns whether any made progress and
+  // adds the requests completed to *completed.
+  template <typename Post, typename Done>
+  bool channels_pass(std::vector<Window>& ws, int total, int* completed, Post post, Done done) {
+    bool progress = false;
+    for (int c = 0; c < o.channels; ++c) {
+      Window& w = ws[static_cast<size_t>(c)];
+      const int before = w.completed;
+      progress |= bw_pass(
+          w, quota(total, c), [&](int i) { return post(c, i); }, [&](void* r, int i) { return done(c, r, i); });
+      *completed += w.completed - before;
+    }
+    return progress;
+  }
+  std::vector<Window> windows() const {
+    return std::vector<Window>(static_cast<size_t>(o.channels),
+                               Window{std::vector<void*>(static_cast<size_t>(o.window), nullptr)});
+  }
+
+  // Sender side of a bandwidth row: window isends in flight per channel, each slot re-posted when
+  // test() reports it done. Returns "secs msgs thread_ns proc_ns".
   std::string send_bw(size_t size) {
     const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
     fill_words(sbuf, size, size);
-    Window w{std::vector<void*>(static_cast<size_t>(o.window), nullptr)};
-    auto post = [&](int) {
+    std::vector<Window> ws = windows();
+    auto post = [&](int c, int) {
       void* r = nullptr;
-      check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
+      check(t->isend(sends[static_cast<size_t>(c)], sbuf, size, 0, smhs[static_cast<size_t>(c)], nullptr, &r),
+            "isend");
       return r;
     };
-    auto done = [&](void* r, int) {
+    auto done = [&](int, void* r, int) {
       int d = 0, got = 0;
       check(t->test(r, &d, &got), "test(send)");
       return d != 0;
     };
     Meter m;
-    while (w.completed < total) {
-      if (w.completed >= warm && m.t0 == Clock::time_point{}) m.start();
-      caller.pass(bw_pass(w, total, post, done));
+    int completed = 0;
+    while (completed < total) {
+      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      caller.pass(channels_pass(ws, total, &completed, post, done));
     }
     char out[128];
     std::snprintf(out, sizeof(out), "%.9f %d %.0f %.0f", m.secs(), total - warm, m.thread_ns(),
@@ -464,34 +491,36 @@ struct Side {
     return out;
   }
 
-  // Receiver side: window irecvs in flight; the last message's bytes and size are checked.
+  // Receiver side: window irecvs in flight per channel; the last message's bytes and size are
+  // checked.
   std::string recv_bw(size_t size) {
     const int iters = bw_iters(o, size), warm = bw_warmup(o, iters), total = iters + warm;
-    Window w{std::vector<void*>(static_cast<size_t>(o.window), nullptr)};
-    int last = 0;
-    auto post = [&](int i) {
+    std::vector<Window> ws = windows();
+    size_t last = 0;
+    auto post = [&](int c, int i) {
       void* r = nullptr;
-      void* data[1] = {rbuf + slot(i, size)};
+      void* data[1] = {rbuf + slot(c, i, size)};
       size_t sizes[1] = {size};
       int tags[1] = {0};
-      void* mhs[1] = {rmh};
-      check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
+      void* mhs[1] = {rmhs[static_cast<size_t>(c)]};
+      check(t->irecv(recvs[static_cast<size_t>(c)], 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
       return r;
     };
-    auto done = [&](void* r, int i) {
+    auto done = [&](int c, void* r, int i) {
       int d = 0, got[1] = {0};
       check(t->test(r, &d, got), "test(recv)");
       if (!d) return false;
       if (static_cast<size_t>(got[0]) != size) die("a receive reported the wrong size");
-      last = i;
+      last = slot(c, i, size);
       return true;
     };
     Meter m;
-    while (w.completed < total) {
-      if (w.completed >= warm && m.t0 == Clock::time_point{}) m.start();
-      caller.pass(bw_pass(w, total, post, done));
+    int completed = 0;
+    while (completed < total) {
+      if (completed >= warm && m.t0 == Clock::time_point{}) m.start();
+      caller.pass(channels_pass(ws, total, &completed, post, done));
     }
-    if (!check_words(rbuf + slot(last, size), size, size)) die("received data does not verify");
+    if (!check_words(rbuf + last, size, size)) die("received data does not verify");
     char out[128];
     std::snprintf(out, sizeof(out), "%.0f %.0f", m.thread_ns(), m.proc_ns());
     return out;
@@ -511,9 +540,9 @@ struct Side {
     void* data[1] = {rbuf};
     size_t sizes[1] = {size};
     int tags[1] = {0};
-    void* mhs[1] = {rmh};
+    void* mhs[1] = {rmhs[0]};
     while (!r) {
-      check(t->irecv(recv, 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
+      check(t->irecv(recvs[0], 1, data, sizes, tags, mhs, nullptr, &r), "irecv");
       if (!r) caller.pass(false);
     }
     return r;
@@ -521,15 +550,15 @@ struct Side {
   void* post_send(size_t size) {
     void* r = nullptr;
     while (!r) {
-      check(t->isend(send, sbuf, size, 0, smh, nullptr, &r), "isend");
+      check(t->isend(sends[0], sbuf, size, 0, smhs[0], nullptr, &r), "isend");
       if (!r) caller.pass(false);
     }
     return r;
   }
 
-  // Ping-pong: A posts the pong's receive, sends the ping and waits for both; B answers each ping,
-  // its next receive posted before the pong (as NCCL keeps receives posted). Returns A's one-way
-  // latency in microseconds.
+  // Ping-pong (channel 0): A posts the pong's receive, sends the ping and waits for both; B answers
+  // each ping, its next receive posted before the pong (as NCCL keeps receives posted). Returns A's
+  // one-way latency in microseconds.
   double pingpong(bool a, size_t size) {
     const int warm = std::max(10, o.lat_iters / 10), total = o.lat_iters + warm;
     fill_words(sbuf, size, size);
@@ -581,24 +610,39 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   }
   if (!(props.ptr_support & kPtrHost)) die("the plugin's device does not take host memory");
   std::string dev_name = props.name ? props.name : "?";
-  Handle mine, theirs;
-  s.check(s.t->listen(s.ctx, dev, mine.bytes, &s.listen), "listen");
+  // One listen comm per channel, as NCCL listens per connection; the handles go across at once.
+  const size_t nch = static_cast<size_t>(o.channels);
+  std::vector<Handle> mine(nch), theirs(nch);
+  s.listens.assign(nch, nullptr);
+  s.sends.assign(nch, nullptr);
+  s.recvs.assign(nch, nullptr);
+  std::vector<uint8_t> handles;
+  for (size_t c = 0; c < nch; ++c) {
+    s.check(s.t->listen(s.ctx, dev, mine[c].bytes, &s.listens[c]), "listen");
+    handles.insert(handles.end(), mine[c].bytes, mine[c].bytes + sizeof(mine[c].bytes));
+  }
   std::vector<uint8_t> got;
-  if (!ch.send(mine.bytes, sizeof(mine.bytes)) || !ch.recv(&got, o.timeout_s * 1000) ||
-      got.size() != sizeof(theirs.bytes))
+  if (!ch.send(handles.data(), handles.size()) || !ch.recv(&got, o.timeout_s * 1000) ||
+      got.size() != handles.size())
     die("handle exchange");
-  std::memcpy(theirs.bytes, got.data(), got.size());
+  for (size_t c = 0; c < nch; ++c)
+    std::memcpy(theirs[c].bytes, got.data() + c * sizeof(theirs[c].bytes), sizeof(theirs[c].bytes));
   DeviceHandle* dh = nullptr;
-  while (!s.send || !s.recv) {
-    if (!s.send) s.check(s.t->connect(s.ctx, dev, theirs.bytes, &s.send, &dh), "connect");
-    if (!s.recv) s.check(s.t->accept(s.listen, &s.recv, &dh), "accept");
-    std::this_thread::yield();
+  for (bool all = false; !all;) {  // connects and accepts interleaved, never blocking
+    all = true;
+    for (size_t c = 0; c < nch; ++c) {
+      if (!s.sends[c]) s.check(s.t->connect(s.ctx, dev, theirs[c].bytes, &s.sends[c], &dh), "connect");
+      if (!s.recvs[c]) s.check(s.t->accept(s.listens[c], &s.recvs[c], &dh), "accept");
+      all = all && s.sends[c] && s.recvs[c];
+    }
+    if (!all) std::this_thread::yield();
   }
   size_t max_bw = 0, max_lat = 0;
   for (size_t z : o.sizes) max_bw = std::max(max_bw, z);
   for (size_t z : o.lat_sizes) max_lat = std::max(max_lat, z);
   s.slen = std::max(max_bw, max_lat);
-  s.rlen = std::max({max_lat, max_bw, std::min<size_t>(max_bw * static_cast<size_t>(o.window), 128u << 20)});
+  s.rlen = std::max({max_lat, max_bw,
+                     std::min<size_t>(max_bw * static_cast<size_t>(o.window) * nch, 128u << 20)});
   auto alloc = [](size_t n) {
     auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
     std::memset(p, 0, n);
@@ -606,8 +650,12 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   };
   s.sbuf = alloc(s.slen);
   s.rbuf = alloc(s.rlen);
-  s.check(s.t->reg_mr(s.send, s.sbuf, s.slen, kPtrHost, &s.smh), "regMr(send)");
-  s.check(s.t->reg_mr(s.recv, s.rbuf, s.rlen, kPtrHost, &s.rmh), "regMr(recv)");
+  s.smhs.assign(nch, nullptr);
+  s.rmhs.assign(nch, nullptr);
+  for (size_t c = 0; c < nch; ++c) {
+    s.check(s.t->reg_mr(s.sends[c], s.sbuf, s.slen, kPtrHost, &s.smhs[c]), "regMr(send)");
+    s.check(s.t->reg_mr(s.recvs[c], s.rbuf, s.rlen, kPtrHost, &s.rmhs[c]), "regMr(recv)");
+  }
 
   std::string name = s.t->name ? s.t->name : "?";
   std::replace(name.begin(), name.end(), ' ', '_');  // one word in the report
@@ -628,11 +676,13 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   ch.send_str(report);
   std::string bye;
   ch.recv_str(&bye, o.timeout_s * 1000);  // both sides done before either closes
-  s.t->dereg_mr(s.send, s.smh);
-  s.t->dereg_mr(s.recv, s.rmh);
-  s.t->close_send(s.send);
-  s.t->close_recv(s.recv);
-  s.t->close_listen(s.listen);
+  for (size_t c = 0; c < nch; ++c) {
+    s.t->dereg_mr(s.sends[c], s.smhs[c]);
+    s.t->dereg_mr(s.recvs[c], s.rmhs[c]);
+    s.t->close_send(s.sends[c]);
+    s.t->close_recv(s.recvs[c]);
+    s.t->close_listen(s.listens[c]);
+  }
   if (s.t->finalize) s.t->finalize(s.ctx);
   std::free(s.sbuf);
   std::free(s.rbuf);
@@ -748,7 +798,7 @@ EngineOptions engine_options(const Options& o, bool side_a) {
 void engine_receiver(const Options& o, const Channel& ch) {
   auto e = Engine::create(engine_options(o, false));
   if (!e.ok()) die(e.status().message());
-  const size_t len = o.engine_size * static_cast<size_t>(o.window);
+  const size_t len = o.engine_size * static_cast<size_t>(o.window * o.channels);
   auto* buf = static_cast<uint8_t*>(std::aligned_alloc(4096, (len + 4095) / 4096 * 4096));
   auto mr = (*e)->register_memory(0, buf, len);
   if (!mr.ok()) die(mr.status().message());
@@ -772,7 +822,8 @@ struct Counter {
   }
 };
 
-// Window write_imms in flight from this thread, a slot re-posted when its completion was seen.
+// window x channels write_imms in flight from this thread (as many as the plugin rows have), a
+// slot re-posted when its completion was seen.
 Row engine_sender(const Options& o, const Caller& caller) {
   std::vector<std::string> args = {"engine"};
   args.insert(args.end(), o.args.begin(), o.args.end());
@@ -802,9 +853,10 @@ Row engine_sender(const Options& o, const Caller& caller) {
     const uint64_t done = c.done.load(std::memory_order_acquire);
     bool progress = done != seen;
     seen = done;
-    while (posted < total && posted - seen < static_cast<uint64_t>(o.window)) {
+    const uint64_t in_flight = static_cast<uint64_t>(o.window * o.channels);
+    while (posted < total && posted - seen < in_flight) {
       LocalSlice s{&mr.value(), 0, size};
-      const size_t off = (posted % static_cast<uint64_t>(o.window)) * size;
+      const size_t off = (posted % in_flight) * size;
       Status st = eng.write_imm(0, peer_id.value(), s, region.value(), off,
                                 0x7000 + static_cast<uint32_t>(posted % 8), Notify{&Counter::fire, &c});
       if (st.code() == Code::kAgain) break;
@@ -836,10 +888,10 @@ std::string fmt_size(size_t s) {
 
 void print_tables(const Options& o, const std::string& caller, const PluginResult& p, const PluginResult* c,
                   const Row* engine) {
-  std::printf("\n# caller %s, pass %s: bandwidth, %d in flight (sender isend/test, receiver irecv/test); "
-              "sprd = (best - worst) / best over the runs; cpu = the proxy thread's CPU per message, "
-              "proc = the sending process's\n",
-              caller.c_str(), o.nccl_pass ? "nccl" : "all", o.window);
+  std::printf("\n# caller %s, pass %s: bandwidth, %d in flight on each of %d channel(s) (sender isend/test, "
+              "receiver irecv/test); sprd = (best - worst) / best over the runs; cpu = the proxy thread's CPU "
+              "per message, proc = the sending process's\n",
+              caller.c_str(), o.nccl_pass ? "nccl" : "all", o.window, o.channels);
   std::printf("# %-37s", p.name.c_str());
   if (c) std::printf(" | %-50s", c->name.c_str());
   std::printf("\n#%11s %7s %9s %8s %6s %8s %8s %8s", "size(B)", "count", "time(us)", "algbw", "sprd%",
@@ -869,7 +921,7 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
   if (engine) {
     auto it = p.bw.find(o.engine_size);
     std::printf("# engine write_imm %zu B x %d: %.3f GB/s (sprd %.1f%%), cpu %.0f ns/msg, proc %.0f ns/msg",
-                o.engine_size, o.window, engine->gbps, spread_pct(engine->gbps, engine->worst_gbps),
+                o.engine_size, o.window * o.channels, engine->gbps, spread_pct(engine->gbps, engine->worst_gbps),
                 engine->send_cpu_ns, engine->send_proc_ns);
     if (it != p.bw.end()) std::printf("; %s / engine = %.3f", p.name.c_str(), it->second.gbps / engine->gbps);
     std::printf("\n");
@@ -936,9 +988,9 @@ int main(int argc, char** argv) {
   const char* provider = getenv("PONTE_FABRIC_PROVIDER");
   if (!o.json)
     std::printf("# plugin-bench: %s%s%s; PONTE_BACKEND %s, PONTE_FABRIC_PROVIDER %s; window %d; "
-                "pass %s; best of %d%s runs; load average %s\n",
+                "channels %d; pass %s; best of %d%s runs; load average %s\n",
                 o.plugin.c_str(), o.compare.empty() ? "" : " vs ", o.compare.c_str(),
-                backend ? backend : "auto", provider ? provider : "-", o.window,
+                backend ? backend : "auto", provider ? provider : "-", o.window, o.channels,
                 o.nccl_pass ? "nccl" : "all", o.repeat, o.compare.empty() ? "" : " alternating",
                 load_average().c_str());
   bool first = true;
