@@ -145,6 +145,9 @@ struct EpBuffer::Impl {
     const uint32_t hv = imm_value(hk, static_cast<uint32_t>(s), channel, static_cast<uint32_t>(me));
     if (!sl.hdr_targets.empty())
       sl.sends.post(-1, [&](Notify n) { return ci->engine->scatter(ci->group, mr, sl.hdr_targets, &hv, n); });
+    // A thread that polled the group moments ago (the last recv's wait) leaves what it submits to
+    // its next progress() call: post it now, before the caller goes off to compute.
+    ci->engine->start_submitted(ci->group);
   }
 
   // Waits for every rank's block of (phase, slot) and this rank's own writes; checks each header.

@@ -507,6 +507,16 @@ bool Engine::progress(int group) {
   return g && g->progress();
 }
 
+bool Engine::start_submitted(int group) {
+  NicGroup* g = impl_->group(group);
+  return g && g->start_submitted();
+}
+
+void Engine::stop_polling(int group) {
+  NicGroup* g = impl_->group(group);
+  if (g) g->stop_polling();
+}
+
 uint32_t Engine::imm_arrived(int group, uint32_t value) const {
   NicGroup* g = impl_->group(group);
   return g ? g->imm_table().arrived(value) : 0;

@@ -207,10 +207,21 @@ class Engine {
   // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
   // and takes over again when the polling stops. Never blocks or allocates; false when it did
   // nothing (the worker is running, or there was nothing to do). A thread that called it within
-  // the last 200 us skips the worker's wake-up when it submits (its next call starts the work);
-  // other submissions wake the worker. On shm it
-  // only reaps: a post there can block for good on a stopped peer's lock, so the worker makes them.
+  // the last 200 us skips the worker's wake-up when it submits (its next call starts the work, or
+  // stop_polling hands it to the worker); other submissions wake the worker. On shm it only
+  // reaps: a post there can block for good on a stopped peer's lock, so the worker makes them.
   bool progress(int group);
+  // The calling thread stops polling group (it will not call progress() for a while, e.g. it is
+  // about to sleep or compute): the worker takes the data path back at once. Without it the worker
+  // notices when it next wakes, up to PONTE_POLLER_SLEEP_US (5 ms) later while somebody polled (it
+  // sleeps long then, so as not to take the poller's core); meanwhile nothing moves on a
+  // manual-progress provider (tcp;ofi_rxm). Cheap; a no-op for a thread that is not polling group.
+  void stop_polling(int group);
+  // For a thread that polls group: posts what was submitted now (one pass of posting, without
+  // reaping: callbacks of ops that fail to post may run here) instead of at its next progress()
+  // call, so that it is on the wire while the thread computes. Never blocks; false when it posted
+  // nothing (nothing queued, the token busy, or pollers do not post here: shm's worker does).
+  bool start_submitted(int group);
 
   // How many immediates one write of len bytes to peer produces at the target.
   uint32_t imms_per_write(int group, PeerId peer, size_t len) const;

@@ -98,6 +98,12 @@ class NicGroup {
   // immediates, callbacks) runs here. Housekeeping (control sockets, liveness, timeouts) stays
   // with the worker. Never blocks, never allocates; whether anything happened.
   bool progress();
+  // The calling thread stops polling (it will not call progress() for a while): the worker takes
+  // the data path back now instead of when it next wakes (up to PONTE_POLLER_SLEEP_US away).
+  void stop_polling();
+  // For a polling thread: starts what was submitted (posts it) now rather than at its next
+  // progress() call; no reaping. Where pollers may not post (shm), or the token is busy: nothing.
+  bool start_submitted();
 
   // Peers.
   Result<PeerId> new_outbound_peer(const GroupAddress& addr, int traffic_class = -1);
@@ -199,7 +205,7 @@ class NicGroup {
     std::chrono::steady_clock::time_point poller_until;
   };
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
-  static uint32_t poller_sleep(PassState& st);  // the next sleep while a thread polls (grows)
+  uint32_t poller_sleep(PassState& st) const;  // the next sleep while a thread polls (grows)
   bool polled_here() const;              // this thread called progress() on this group last
   bool take_token();                     // try
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
@@ -295,6 +301,8 @@ class NicGroup {
   std::atomic<uint64_t> passes_{0};       // the worker's attempts (written by the worker only)
   std::atomic<uint64_t> passes_seen_{0};  // pollers: the count the last progress() call saw
   std::atomic<uint64_t> poll_calls_{0};   // progress() calls: a thread is polling this group
+  std::atomic<bool> poller_left_{false};  // stop_polling(): the worker takes the data path back
+  std::atomic<std::chrono::steady_clock::rep> last_poll_{0};  // progress()'s last call (clock ticks)
   std::thread worker_;
   static constexpr int kPollBatch = 32;
   Completion comps_[kPollBatch];  // worker only: poll_nics' batch

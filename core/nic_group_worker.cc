@@ -17,7 +17,7 @@ namespace ponte {
 void NicGroup::sleep_idle(uint32_t us) {
   if (us > 0 && !stop_.load(std::memory_order_acquire)) {
     epoll_event ev;
-    timespec ts{0, static_cast<long>(us) * 1000};
+    timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
     int n = epoll_pwait2(epoll_fd_, &ev, 1, &ts, nullptr);
     // A submission's wake-up is drained here, not at the next housekeeping pass (up to 100 us
     // away): the eventfd, level-triggered, would end every sleep until then at once, a spin in
@@ -148,6 +148,7 @@ bool NicGroup::progress() {
   if (tls_holder != nullptr) return false;  // from a callback: its thread is mid-pass already
   tls_poller = this;
   tls_polled_at = Clock::now();
+  last_poll_.store(tls_polled_at.time_since_epoch().count(), std::memory_order_relaxed);
   poll_calls_.store(poll_calls_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   // Only when the worker sleeps, or ran no pass since the last call (it is not getting the CPU):
   // a worker that runs anyway does the work, without two threads bouncing its state.
@@ -177,6 +178,37 @@ bool NicGroup::progress() {
   return did;
 }
 
+bool NicGroup::start_submitted() {
+  if (!pollers_post_ || tls_holder != nullptr) return false;
+  if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed) || !take_token()) return false;
+  bool did = false;
+  try {
+    if (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_acquire)) {
+      in_drain_ = true;
+      did = drain_queue();
+      in_drain_ = false;
+      if (run_head_ != kNoSlot) did |= post_runnable();
+    }
+  } catch (const GroupWedged&) {
+    tls_holder = nullptr;  // as in progress(): the watchdog owns the group now
+    return false;
+  }
+  release_token();
+  return did;
+}
+
+void NicGroup::stop_polling() {
+  if (tls_poller != this) return;  // this thread is not polling us
+  tls_poller = nullptr;            // its submissions wake the worker again (submit)
+  // Stored before sleeping_ is read, as the worker stores sleeping_ before it reads this (both
+  // sequentially consistent): it sees the flag before it sleeps, or we see it asleep and wake it.
+  poller_left_.store(true, std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_seq_cst) && sleeping_.exchange(false, std::memory_order_acq_rel)) {
+    uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) { /* already signalled */ }
+  }
+}
+
 // ---- the worker loop
 
 void NicGroup::worker_main() {
@@ -202,7 +234,7 @@ void NicGroup::run() {
       // A poller is mid-pass: it moves the data, the worker leaves it the CPU, with the same
       // growing sleep as between its own passes while somebody polls (worker_pass).
       sleeping_.store(true, std::memory_order_seq_cst);
-      sleep_idle(poller_sleep(st));
+      sleep_idle(poller_left_.load(std::memory_order_seq_cst) ? 0 : poller_sleep(st));
       continue;
     }
     uint32_t sleep_us = worker_pass(st);
@@ -211,8 +243,10 @@ void NicGroup::run() {
       // Announced before the last look at the queue: a submission after it sees sleeping_ and
       // wakes us (a poller's own is started by its next progress() call).
       sleeping_.store(true, std::memory_order_seq_cst);
-      // Work queued meanwhile: no sleep, unless a poller that may post starts it.
+      // Work queued meanwhile: no sleep, unless a poller that may post starts it. A poller that
+      // left meanwhile (stop_polling saw no sleeper to wake): no sleep either.
       if (queue_.front() != nullptr && (!st.poller_active || !pollers_post_)) sleep_us = 0;
+      if (poller_left_.load(std::memory_order_seq_cst)) sleep_us = 0;
     }
     release_token();
     if (sleep) {
@@ -227,10 +261,11 @@ void NicGroup::run() {
   if (!hold_token()) tls_holder = nullptr;
 }
 
-// kPollerBackoffUs, doubling on each call up to kPollerSleepMaxUs (nic_group_internal.h); a pass
+// kPollerBackoffUs, doubling on each call up to PONTE_POLLER_SLEEP_US (nic_group_internal.h); a pass
 // that found work resets it (idle_us = 0).
-uint32_t NicGroup::poller_sleep(PassState& st) {
-  st.idle_us = st.idle_us >= kPollerBackoffUs ? std::min(st.idle_us * 2, kPollerSleepMaxUs) : kPollerBackoffUs;
+uint32_t NicGroup::poller_sleep(PassState& st) const {
+  const uint32_t first = std::min(kPollerBackoffUs, cfg_.poller_sleep_us);
+  st.idle_us = st.idle_us >= first ? std::min(st.idle_us * 2, cfg_.poller_sleep_us) : first;
   return st.idle_us;
 }
 
@@ -246,10 +281,19 @@ uint32_t NicGroup::worker_pass(PassState& st) {
   // and a worker spinning beside the poller takes the core the poller needs to submit (three
   // busy threads on two cores: a Python wait paid 60 us per 64 KiB write on shm, where the
   // worker's own chain of writes costs 7 us).
+  if (poller_left_.load(std::memory_order_relaxed) && poller_left_.exchange(false, std::memory_order_acq_rel)) {
+    // The poller said it stops (stop_polling): its calls so far no longer hold the data path.
+    st.poll_calls_seen = poll_calls_.load(std::memory_order_relaxed);
+    st.poller_active = false;
+    st.idle_us = 0;
+  }
   const uint64_t calls = poll_calls_.load(std::memory_order_relaxed);
   if (calls != st.poll_calls_seen) {
+    // Held from the last call, not from now: a poller that stopped during a long sleep hands the
+    // data path back at this wake-up, not at the next one.
     st.poll_calls_seen = calls;
-    st.poller_until = Clock::now() + std::chrono::microseconds(kPollerHoldUs);
+    st.poller_until = Clock::time_point(Clock::duration(last_poll_.load(std::memory_order_relaxed))) +
+                      std::chrono::microseconds(kPollerHoldUs);
     st.poller_active = true;
   }
   if (st.poller_active) {

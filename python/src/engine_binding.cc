@@ -1,6 +1,7 @@
 // The Engine half of the `ponte` module (see engine_binding.h).
 //
-// Threads: Python threads submit with the GIL held (a submission only enqueues); the engine's worker
+// Threads: Python threads submit with the GIL held (a submission enqueues, and is posted at once
+// when the thread polls the group: submit below); the engine's worker
 // fires completions into an OpState's DoneCell without the GIL; waits release the GIL. Lifetimes:
 // an Operation owns its OpState; when the Python object goes away before the operation ended, the
 // OpState is parked on its engine (EngineState::orphans) and freed, with the GIL, once it ended. An
@@ -158,7 +159,9 @@ void RegionState::close() {
 // as NCCL's proxy does in test(), so that the engine's worker backs off instead of spinning beside
 // it for the CPU and no completion needs a cross-thread wake-up. It yields only after a pass that
 // moved nothing, and stops polling after kPollWindow without progress (or when the engine closes),
-// then sleeps on the cell: a long wait does not burn a core. The GIL is released by the caller.
+// hands the data path back to the worker (Engine::stop_polling: it would otherwise notice only
+// when it next wakes, up to 5 ms later) and sleeps on the cell: a long wait does not burn a core.
+// The GIL is released by the caller.
 constexpr auto kPollWindow = std::chrono::milliseconds(1);
 
 void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point end) {
@@ -177,7 +180,10 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
     if ((++passes & 15u) != 0) continue;  // the clock every 16 idle passes
     auto now = Clock::now();
     if (passes == 16) idle_since = now;
-    if (now - idle_since >= kPollWindow || now >= end) return;
+    if (now - idle_since >= kPollWindow || now >= end) {
+      eng->stop_polling(kGroup);
+      return;
+    }
   }
 }
 
@@ -240,6 +246,11 @@ std::unique_ptr<Operation> submit(const std::shared_ptr<EngineState>& es, std::u
     if (op->inflight) op->inflight->fetch_sub(1, std::memory_order_relaxed);
     raise_refusal(st, what);
   }
+  // A thread that waited moments ago is still the group's poller: its submission starts at its
+  // next progress() call, not with a wake-up of the worker. Post it now (never blocks, reaps
+  // nothing; a failure's completion goes to a DoneCell, no GIL needed), so that it is on the wire
+  // while Python computes.
+  if (es->engine) es->engine->start_submitted(kGroup);
   if (!es->orphans.empty() && es->orphans.size() >= es->sweep_at) es->sweep();
   return std::make_unique<Operation>(op.release(), es, what);
 }

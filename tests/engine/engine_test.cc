@@ -2,7 +2,9 @@
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -68,9 +70,11 @@ std::vector<size_t> pick_devices(const Config& cfg, char side, int nics) {
   return out;
 }
 
-Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics, uint32_t timeout_ms = 5000) {
+Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics, uint32_t timeout_ms = 5000,
+                                            uint32_t poller_sleep_us = 0) {
   EngineOptions o;
   o.config = test_config(s);
+  if (poller_sleep_us) o.config.poller_sleep_us = poller_sleep_us;
   // SoftRoCE under QEMU moves tens of MB/s: a 64 MiB write needs more than 5 s there.
   o.config.timeout_ms = s.backend == BackendChoice::kVerbs ? 6 * timeout_ms : timeout_ms;
   o.groups = {pick_devices(o.config, side, nics)};
@@ -213,7 +217,7 @@ class EngineTest : public ::testing::TestWithParam<Setup> {
   // Starts `peers` peer processes and this side's engine with `nics` NICs, connected to each.
   void start(int peers = 1, int nics = 1) {
     for (int i = 0; i < peers; i++) peers_.push_back(std::make_unique<Peer>(GetParam(), nics));
-    auto e = make_engine(GetParam(), 'A', nics);
+    auto e = make_engine(GetParam(), 'A', nics, 5000, poller_sleep_us_);
     ASSERT_TRUE(e.ok()) << e.status().message();
     eng_ = std::move(e.value());
     src_ = static_cast<uint8_t*>(aligned_alloc(4096, kRegion));
@@ -248,6 +252,7 @@ class EngineTest : public ::testing::TestWithParam<Setup> {
   std::vector<PeerId> ids_;
   uint8_t* src_ = nullptr;
   MemoryRegion mr_;
+  uint32_t poller_sleep_us_ = 0;  // this side's PONTE_POLLER_SLEEP_US (0: the default)
 };
 
 // Counts completions of many operations without allocating a Flag each.
@@ -588,6 +593,49 @@ TEST_P(EngineTest, PollingThreadProgressesAndWorkerKeepsLiveness) {
   EXPECT_EQ(expect.status().code(), Code::kPeerDead) << expect.status().message();
   EXPECT_TRUE(eng_->peer_dead(0, ids_[0]));
   peers_.clear();
+}
+
+// A thread that polled and then stops (Engine::stop_polling) hands the data path back to the
+// worker at once. While somebody polls, the worker sleeps longer and longer between its passes (up
+// to PONTE_POLLER_SLEEP_US, 2 s here), and a poller's own submissions wait for its next progress()
+// call: without the hand-back a read submitted last would be posted at the worker's next wake-up,
+// up to 205 ms away after 300 ms of polling (its sleeps: 50 us doubling). What is timed is the post (reads_posted), on this side
+// alone, this thread sleeping meanwhile; its median over the trials must stay under 25 ms (an
+// eventfd wake-up, even in the SoftRoCE guest under QEMU or under TSan).
+TEST_P(EngineTest, StopPollingHandsTheDataPathBack) {
+  poller_sleep_us_ = 2'000'000;
+  start();
+  if (eng_->nic_info(0, 0).post_may_block_on_peer)
+    GTEST_SKIP() << "SKIPPED on " << GetParam().name << ": pollers never post on this provider (a post may block "
+                 << "on a stopped peer), so every submission wakes the worker and nothing is left to hand back";
+  constexpr size_t kLen = 4096;
+  constexpr int kTrials = 5;
+  EXPECT_EQ(peers_[0]->cmd("fill 0 4096 37"), "ok");
+  Flag first;  // the provider's first transfer to the peer sets up its connection (rxm: tens of ms)
+  ASSERT_TRUE(eng_->read(0, ids_[0], LocalSlice{&mr_, 0, kLen}, peers_[0]->region(), 0, first.notify()).ok());
+  ASSERT_TRUE(first.wait(10s).ok()) << first.status().message();
+  std::vector<double> ms;
+  for (int t = 0; t < kTrials; t++) {
+    memset(src_, 0, kLen);
+    const auto until = std::chrono::steady_clock::now() + 300ms;  // the worker backs off meanwhile
+    while (std::chrono::steady_clock::now() < until) eng_->progress(0);
+    Flag f;
+    const uint64_t posted = eng_->reads_posted(0, 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(eng_->read(0, ids_[0], LocalSlice{&mr_, 0, kLen}, peers_[0]->region(), 0, f.notify()).ok());
+    eng_->stop_polling(0);
+    const auto deadline = t0 + 10s;  // this thread polls no more
+    while (eng_->reads_posted(0, 0) == posted && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(10us);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ASSERT_TRUE(f.wait(10s).ok()) << f.status().message();
+    EXPECT_EQ(check(src_, kLen, 37), SIZE_MAX);
+  }
+  std::printf("  read posted after stop_polling, ms:");
+  for (double m : ms) std::printf(" %.3f", m);
+  std::printf("\n");
+  std::sort(ms.begin(), ms.end());
+  EXPECT_LT(ms[kTrials / 2], 25.0) << "the worker did not take the data path back when the poller stopped";
 }
 
 // Destroying the engine is an orderly shutdown: writes already posted finish (their callbacks
