@@ -206,6 +206,7 @@ class NicGroup {
   };
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
   uint32_t poller_sleep(PassState& st) const;  // the next sleep while a thread polls (grows)
+  bool poller_pass(bool reap);           // progress() and start_submitted(): one pass under the token
   bool polled_here() const;              // this thread called progress() on this group last
   bool take_token();                     // try
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged

@@ -27,8 +27,8 @@ inline constexpr size_t kImmTableSize = 1 << 16;
 // the poller moves the data, the worker keeps control sockets, liveness and timeouts going. The
 // sleep starts at kPollerBackoffUs and doubles while the polling goes on, up to
 // PONTE_POLLER_SLEEP_US (Config::poller_sleep_us, default 5 ms: the period of the timeout scan in
-// housekeeping): each wake-up takes the poller's core for tens of
-// microseconds on a host where the pollers fill the cores (the plugin's 8-byte ping-pong on two
+// housekeeping): each wake-up takes the poller's core for tens of microseconds on a host where
+// the pollers fill the cores (the plugin's 8-byte ping-pong on two
 // cores: 47 us a half round trip at 50 us sleeps, 35 us at 500; against 500, a 5 ms bound took the
 // plugin's ping-pong from 28-33 us to 24-27 us and its 4 MiB stream from 3.5-3.9 GB/s to 3.9-5.1).
 // Control sockets wake it at once; so does a submission from a thread that is not polling

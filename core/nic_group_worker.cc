@@ -156,6 +156,12 @@ bool NicGroup::progress() {
   if (!sleeping_.load(std::memory_order_relaxed) &&
       passes_seen_.exchange(passes, std::memory_order_relaxed) != passes)
     return false;
+  return poller_pass(true);
+}
+
+// One pass of the data path on a polling thread, under the token: posts what is submitted (where
+// pollers may post) and, with reap, reaps completions and immediates and runs their callbacks.
+bool NicGroup::poller_pass(bool reap) {
   if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed) || !take_token()) return false;
   bool did = false;
   try {
@@ -166,7 +172,7 @@ bool NicGroup::progress() {
         in_drain_ = false;
         if (run_head_ != kNoSlot) did |= post_runnable();
       }
-      did |= poll_nics();
+      if (reap) did |= poll_nics();
     }
   } catch (const GroupWedged&) {
     // The watchdog claimed our provider call: the group is its own now, token included (taken
@@ -180,21 +186,7 @@ bool NicGroup::progress() {
 
 bool NicGroup::start_submitted() {
   if (!pollers_post_ || tls_holder != nullptr) return false;
-  if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed) || !take_token()) return false;
-  bool did = false;
-  try {
-    if (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_acquire)) {
-      in_drain_ = true;
-      did = drain_queue();
-      in_drain_ = false;
-      if (run_head_ != kNoSlot) did |= post_runnable();
-    }
-  } catch (const GroupWedged&) {
-    tls_holder = nullptr;  // as in progress(): the watchdog owns the group now
-    return false;
-  }
-  release_token();
-  return did;
+  return poller_pass(false);
 }
 
 void NicGroup::stop_polling() {
