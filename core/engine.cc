@@ -512,6 +512,11 @@ bool Engine::start_submitted(int group) {
   return g && g->start_submitted();
 }
 
+bool Engine::polling_posts(int group) const {
+  NicGroup* g = impl_->group(group);
+  return g && g->pollers_post();
+}
+
 void Engine::stop_polling(int group) {
   NicGroup* g = impl_->group(group);
   if (g) g->stop_polling();

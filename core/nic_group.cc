@@ -3,6 +3,7 @@
 #include "core/nic_group.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <sched.h>
 #include <string.h>
@@ -99,6 +100,10 @@ Status NicGroup::start(const std::vector<int>& cores) {
   now_ = last_activity_;
   watching_.store(true, std::memory_order_seq_cst);
   worker_ = std::thread([this, cores] {
+    // Named for top -H, perf and gdb: "ponte-g<group>" (15 characters at most).
+    char name[16];
+    snprintf(name, sizeof(name), "ponte-g%d", index_);
+    pthread_setname_np(pthread_self(), name);
     if (!cores.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);

@@ -104,6 +104,7 @@ class NicGroup {
   // For a polling thread: starts what was submitted (posts it) now rather than at its next
   // progress() call; no reaping. Where pollers may not post (shm), or the token is busy: nothing.
   bool start_submitted();
+  bool pollers_post() const { return pollers_post_; }  // progress() posts here (not on shm)
 
   // Peers.
   Result<PeerId> new_outbound_peer(const GroupAddress& addr, int traffic_class = -1);

@@ -1,6 +1,8 @@
 // The watchdog thread and what a claimed provider call does on its way out (see watchdog.h).
 #include "core/watchdog.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 
 #include "core/nic_group.h"
@@ -51,7 +53,10 @@ Watchdog::Watchdog(std::vector<NicGroup*> groups) : groups_(std::move(groups)) {
 }
 
 void Watchdog::start() {
-  if (!thread_.joinable() && !groups_.empty()) thread_ = std::thread([this] { run(); });
+  if (!thread_.joinable() && !groups_.empty()) thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "ponte-watchdog");
+    run();
+  });
 }
 
 void Watchdog::stop() {

@@ -608,6 +608,9 @@ TEST_P(EngineTest, StopPollingHandsTheDataPathBack) {
   poller_sleep_us_ = 2'000'000;
   start();
   const bool pollers_post = !eng_->nic_info(0, 0).post_may_block_on_peer;
+  // What waiters ask before they poll (Python's waits skip polling where it would only reap).
+  EXPECT_EQ(eng_->polling_posts(0), pollers_post);
+  EXPECT_FALSE(eng_->polling_posts(99)) << "an unknown group";
   constexpr size_t kLen = 4096;
   constexpr int kTrials = 5;
   EXPECT_EQ(peers_[0]->cmd("fill 0 4096 37"), "ok");
