@@ -3,9 +3,9 @@
 #include "core/nic_group.h"
 
 #include <errno.h>
-#include <stdio.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
