@@ -223,11 +223,13 @@ class Engine {
   // nothing (nothing queued, the token busy, or pollers do not post here: shm's worker does).
   bool start_submitted(int group);
   // Whether a thread in progress(group) posts what is submitted itself (tcp;ofi_rxm, verbs), or
-  // only reaps while the worker posts (shm: see progress). A waiter that has nothing to submit
-  // gains from polling only in the first case: on shm each submission then costs a wake-up of
-  // the sleeping worker, which lands on the waiter's core (a Python write and its wait took
-  // 46 us there, 9 us with the waiter asleep on its completion and the worker doing both).
-  // False for an unknown group.
+  // only reaps while the worker posts (shm: see progress). Where it only reaps, each submission
+  // wakes the sleeping worker, which can land on the polling thread's core: Python's waits then
+  // sleep on their completion instead (an 8-byte write and its wait on shm: 46-63 us polling,
+  // 9 us sleeping). Measured, polling still pays on shm for a proxy that never yields (the
+  // plugin's test(): without it 8-byte latency went 143 us -> 3.6 ms) and for collectives'
+  // waits (ep-bench's small shape: 85-117 us polling, 129-145 us without). False for an unknown
+  // group.
   bool polling_posts(int group) const;
 
   // How many immediates one write of len bytes to peer produces at the target.

@@ -34,7 +34,6 @@ struct EngineState {
   std::unique_ptr<Engine> engine;  // null once closed
   std::atomic<bool> closing{false};
   uint32_t timeout_ms = 30000;
-  bool polling_posts = true;  // Engine::polling_posts(kGroup): whether waits poll (poll_until_done)
   // Shared by a thread that calls into the engine with the GIL released; exclusive for close().
   std::shared_mutex users;
   std::vector<OpState*> orphans;  // touched with the GIL held only
@@ -173,7 +172,7 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
   std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: just sleep
   if (!lock.owns_lock()) return;
   Engine* eng = es.engine.get();
-  if (!eng || !es.polling_posts) return;
+  if (!eng || !eng->polling_posts(kGroup)) return;
   auto idle_since = Clock::now();
   uint32_t passes = 0;
   while (!cell.done() && !es.closing.load(std::memory_order_relaxed)) {
@@ -358,7 +357,6 @@ std::shared_ptr<EngineState> make_engine(const pyb::kwargs& kw) {
   }
   if (!r.ok()) raise_error(r.status(), "Engine");
   es->engine = std::move(*r);
-  es->polling_posts = es->engine->polling_posts(kGroup);
   std::lock_guard lock(g_engines_mu);
   std::erase_if(g_engines, [](const std::weak_ptr<EngineState>& w) { return w.expired(); });
   g_engines.push_back(es);
