@@ -3,7 +3,7 @@
 //
 //   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]
 //                [--sizes 1k,..,64m] [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N]
-//                [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]
+//                [--lat-iters 1000] [--lat-depth 1] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]
 //                [--engine-size 4m] [--no-engine] [--abi 11|10|9|8] [--timeout 60] [--json]
 //
 // Every run is two fresh processes (this binary started again), each loading one plugin (the
@@ -20,7 +20,9 @@
 // The engine's own write-with-immediate bandwidth (the ceiling of ponte's plugin) is measured in
 // this process at --engine-size with the same caller loop. --devs A,B puts side A on the plugin's
 // device A and side B on device B (and the engine's ends on the backend's devices A and B), as two
-// NICs of one host talk (default 0,0: one device talks to itself).
+// NICs of one host talk (default 0,0: one device talks to itself). --lat-depth N keeps N receives
+// posted on each side of the ping-pong (1: the next receive only, posted just before the answer;
+// NCCL's proxy keeps one posted per free step, up to 8, ahead of the data).
 // The environment picks the provider for each plugin as it would under NCCL; the defaults here are
 // PONTE_BACKEND=fabric, PONTE_FABRIC_PROVIDER=tcp;ofi_rxm and FI_TCP_IFACE=lo (loopback only).
 #include <sys/resource.h>
@@ -29,6 +31,7 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
+#include <deque>
 #include <ctime>
 #include <map>
 #include <sstream>
@@ -56,6 +59,7 @@ struct Options {
   int iters = 0;              // fixed iterations per bandwidth row (0: from --bytes)
   int warmup = -1;            // -1: max(2 x window, iters / 10)
   int lat_iters = 1000;
+  int lat_depth = 1;  // --lat-depth N: receives kept posted on each side of the ping-pong
   int repeat = 3;
   int nics = 1;
   int dev_a = 0, dev_b = 0;  // --devs A,B
@@ -109,7 +113,7 @@ std::vector<size_t> parse_sizes(const std::string& s) {
 constexpr const char* kUsage =
     "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]\n"
     "                    [--sizes LIST] [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N]\n"
-    "                    [--warmup N] [--lat-iters 1000] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]\n"
+    "                    [--warmup N] [--lat-iters 1000] [--lat-depth 1] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]\n"
     "                    [--engine-size 4m] [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
 
 Options parse_options(int argc, char** argv, int first) {
@@ -141,6 +145,7 @@ Options parse_options(int argc, char** argv, int first) {
     else if (a == "--iters") o.iters = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--lat-iters") o.lat_iters = std::stoi(next());
+    else if (a == "--lat-depth") o.lat_depth = std::stoi(next());
     else if (a == "--repeat") o.repeat = std::stoi(next());
     else if (a == "--nics") o.nics = std::stoi(next());
     else if (a == "--devs") {
@@ -168,6 +173,7 @@ Options parse_options(int argc, char** argv, int first) {
   if (o.window < 1 || o.window > kMaxRequests || o.nics < 1 || o.nics > kMaxDevsPerNic ||
       o.repeat < 1 || o.lat_iters < 1 || o.iters < 0 || o.timeout_s < 1 || o.callers.empty())
     die("window must be 1..32, nics 1..4, repeat, lat-iters and timeout > 0");
+  if (o.lat_depth < 1 || o.lat_depth > 8) die("--lat-depth takes 1..8");
   if (o.dev_a < 0 || o.dev_b < 0) die("--devs: device indexes are >= 0");
   if (o.channels < 1 || o.channels > 32) die("--channels takes 1..32");
   if (o.nics > 1 && (o.dev_a != 0 || o.dev_b != 0)) die("--devs with --nics > 1: not supported");
@@ -556,26 +562,38 @@ struct Side {
     return r;
   }
 
-  // Ping-pong (channel 0): A posts the pong's receive, sends the ping and waits for both; B answers
-  // each ping, its next receive posted before the pong (as NCCL keeps receives posted). Returns A's
-  // one-way latency in microseconds.
+  // Ping-pong (channel 0), `depth` receives kept posted on each side (--lat-depth). With one, A
+  // posts the pong's receive, sends the ping and waits for both; B answers each ping with its
+  // next receive posted before the pong (were it posted after, the next ping could wait for it).
+  // With more, each side reposts a receive once a message is answered, as NCCL's proxy keeps a
+  // receive posted per free step (NCCL_STEPS) ahead of the data. Returns A's one-way latency in
+  // microseconds.
   double pingpong(bool a, size_t size) {
     const int warm = std::max(10, o.lat_iters / 10), total = o.lat_iters + warm;
+    const int depth = std::min(o.lat_depth, total);
     fill_words(sbuf, size, size);
     Clock::time_point t0;
-    void* next = a ? nullptr : post_recv(size);
+    std::deque<void*> posted;
+    for (int k = 0; k < depth; ++k) posted.push_back(post_recv(size));
     for (int k = 0; k < total; ++k) {
       if (k == warm) t0 = Clock::now();
+      const bool refill = k + depth < total;
       if (a) {
-        void* r = post_recv(size);
+        // With one receive it is posted before the ping; with more, after it (the ping goes out
+        // first), in place of the one the last pong took.
+        if (depth == 1 && k > 0) posted.push_back(post_recv(size));
         void* s = post_send(size);
+        if (depth > 1 && k > 0 && k - 1 + depth < total) posted.push_back(post_recv(size));
         wait(s, "test(ping)");
-        wait(r, "test(pong)");
+        wait(posted.front(), "test(pong)");
+        posted.pop_front();
       } else {
-        wait(next, "test(ping)");
-        next = k + 1 < total ? post_recv(size) : nullptr;
+        wait(posted.front(), "test(ping)");
+        posted.pop_front();
+        if (refill && depth == 1) posted.push_back(post_recv(size));
         void* s = post_send(size);
         wait(s, "test(pong)");
+        if (refill && depth > 1) posted.push_back(post_recv(size));
       }
     }
     if (!check_words(rbuf, size, size)) die("ping-pong data does not verify");
@@ -930,8 +948,8 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     std::fflush(stdout);
     return;
   }
-  std::printf("# caller %s: ping-pong latency (half a round trip; sprd = (worst - best) / best)\n",
-              caller.c_str());
+  std::printf("# caller %s: ping-pong latency (half a round trip, %d receive(s) kept posted on each side; "
+              "sprd = (worst - best) / best)\n", caller.c_str(), o.lat_depth);
   std::printf("#%11s %7s %9s %6s", "size(B)", "count", "lat(us)", "sprd%");
   if (c) std::printf(" | %9s %6s | %6s", "cmp(us)", "sprd%", "ratio");
   std::printf("\n");
