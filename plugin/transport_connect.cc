@@ -41,6 +41,7 @@ void ctrl_done(void* arg, const Status& st) {
 // is released: an engine call may run a completion callback that takes it.
 void on_notice(Device* d, PeerId from, const NoticeMsg& m) {
   bool reply = false;
+  bool for_comm = false;  // the ACK answers for a comm of ours (its ack_sent is set)
   bool reply_to_send = !m.to_send;
   {
     Inbox& ib = inbox();
@@ -72,15 +73,27 @@ void on_notice(Device* d, PeerId from, const NoticeMsg& m) {
       c->peer_stop.store(true);
       if (c->inflight.load() != 0 || c->ack_sent.exchange(true)) return;
       reply = true;  // answered the way it came (c's peer field is its driving thread's)
+      for_comm = true;
     }
   }
   if (!reply) return;
   uint8_t buf[kNoticeBytes];
   encode_notice(NoticeMsg{m.token, reply_to_send, NoticeWhat::kAck, false, 0}, buf);
   Status st = send_ctrl(d, from, buf, kNoticeBytes);
-  if (!st.ok())
-    PONTE_NET_INFO("device %d: could not answer a close or failure notice (the other end waits "
-                   "PONTE_TIMEOUT_MS instead): %s", d->index, st.message());
+  if (st.ok()) return;
+  if (for_comm) {
+    // Not sent (no control buffer free: a deregMr from several threads at once retells BROKEN to
+    // many comms): the ACK is owed again, so the other end's next BROKEN, or answer_stop, sends
+    // it. Left marked sent, every retell was ignored and the other end's deregMr waited out
+    // PONTE_TIMEOUT_MS (the likely cause of such waits on SoftRoCE, four threads aborting 32
+    // sends each).
+    Inbox& ib = inbox();
+    std::lock_guard<std::mutex> lock(ib.mu);
+    auto& pairs = ib.pairs[m.to_send ? 1 : 0];
+    if (auto it = pairs.find(m.token); it != pairs.end()) it->second->ack_sent.store(false);
+  }
+  PONTE_NET_INFO("device %d: could not answer a close or failure notice yet (%s): it is answered "
+                 "again later", d->index, st.message());
 }
 
 // Lowest free comm id (keeps the set of immediate values small), skipping quarantined ones.

@@ -235,8 +235,6 @@ Status close_recv(void* recv_comm) {
 
 // Unload (dlclose) of the plugin: close whatever is still open (NCCL versions before 2.28 never
 // call finalize).
-// Unload (dlclose) of the plugin: close whatever is still open (NCCL versions before 2.28 never
-// call finalize).
 __attribute__((destructor)) static void ponte_plugin_unload() {
   try {
     teardown_all();
