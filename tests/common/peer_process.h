@@ -108,6 +108,7 @@ class PeerProcess {
     if (ch_.fd() >= 0) ::close(ch_.fd());
   }
   bool started() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
   Channel& channel() { return ch_; }
   const Channel& channel() const { return ch_; }
   void kill() {

@@ -7,6 +7,7 @@
 // so whatever hangs, the test stops by itself.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <signal.h>
 
 #include <sstream>
 
@@ -140,8 +141,16 @@ int plugin_peer(int argc, char** argv) {
   ch.send_str("round1 " + finish_all(net, reqs, posted, role == "recv" ? &bufs : nullptr));
   std::string go;
   if (!ch.recv_str(&go, 60000) || go != "round2") return fail("no round 2");
-  if (role == "send" && (!ch.recv_str(&go, 120000) || go != "post")) return fail("no post");
+  // "post stop PID": the sender stops the receiver itself the moment its 8 sends are posted. Were
+  // the test process to stop it on hearing "posted 8", a scheduler delay on two busy cores let
+  // all 128 MiB arrive first (nothing in flight to fail).
+  pid_t stop_after_posting = 0;
+  if (role == "send") {
+    if (!ch.recv_str(&go, 120000) || go.rfind("post", 0) != 0) return fail("no post");
+    if (go.rfind("post stop ", 0) == 0) stop_after_posting = static_cast<pid_t>(std::atoll(go.c_str() + 10));
+  }
   posted = post_all();
+  if (stop_after_posting > 0 && ::kill(stop_after_posting, SIGSTOP) != 0) return fail("could not stop the receiver");
   ch.send_str("posted " + std::to_string(posted));
   std::string report = finish_all(net, reqs, posted, role == "recv" ? &bufs : nullptr);
   int dereg_failed = 0;
@@ -251,8 +260,8 @@ class PluginStopped : public ::testing::TestWithParam<Provider> {
     if (victim == "send") {  // stopped with the receiver's 8 receives posted, before it sends any
       ASSERT_TRUE(stopped.signal(SIGSTOP));
       ASSERT_TRUE(send.channel().send_str("post"));  // read once it runs again
-    } else {  // stopped with the sender's 8 sends posted
-      ASSERT_TRUE(send.channel().send_str("post"));
+    } else {  // stopped by the sender once its 8 sends are posted (again here: a no-op)
+      ASSERT_TRUE(send.channel().send_str("post stop " + std::to_string(recv.pid())));
       ASSERT_TRUE(send.channel().recv_str(&posted, 30000) && posted == "posted 8") << posted;
       ASSERT_TRUE(stopped.signal(SIGSTOP));
     }

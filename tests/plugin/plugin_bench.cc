@@ -31,8 +31,8 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
-#include <deque>
 #include <ctime>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <string>
