@@ -212,6 +212,8 @@ void PrintTo(const Provider& p, std::ostream* os) { *os << p.name; }
 
 class PluginStopped : public ::testing::TestWithParam<Provider> {
  protected:
+  bool retry_if_nothing_in_flight_ = false;  // run(): nothing in flight at the stop ends the try
+  bool nothing_in_flight_ = false;           // and says so here
   std::vector<std::string> env() const {
     return {"PONTE_BACKEND=fabric", "PONTE_FABRIC_PROVIDER=" + GetParam().fabric, "FI_TCP_IFACE=lo",
             "PONTE_CTRL_ADDR=127.0.0.1", "PONTE_TIMEOUT_MS=" + std::to_string(kTimeoutMs)};
@@ -274,6 +276,16 @@ class PluginStopped : public ::testing::TestWithParam<Provider> {
     const long long ended_ms = ms_after(r.err > 0 ? r.last_err_ns : r.last_end_ns, t0);
     printf("[ %s stopped ] %s: live side: %s (last request ended %lld ms after the stop)\n", victim.c_str(),
            GetParam().name.c_str(), text.c_str(), ended_ms);
+    if (r.err == 0 && r.ok == kReqs && r.bad == 0 && retry_if_nothing_in_flight_) {
+      // Everything arrived before the stop (two busy cores can delay the sender's posting that
+      // long): the scenario did not happen. The caller runs it again; the last try is strict.
+      nothing_in_flight_ = true;
+      EXPECT_TRUE(stopped.signal(SIGCONT));
+      EXPECT_TRUE(stopped.channel().recv_str(&text, static_cast<int>(kTimeoutMs) + 30000)) << "no report";
+      live.channel().send_str("bye");
+      stopped.channel().send_str("bye");
+      return;
+    }
     EXPECT_EQ(r.ok + r.err, kReqs) << text;
     EXPECT_GE(r.err, 1) << "nothing was in flight when the peer stopped: " << text;
     EXPECT_EQ(r.bad, 0) << "received bytes differ: " << text;
@@ -305,7 +317,17 @@ class PluginStopped : public ::testing::TestWithParam<Provider> {
   }
 };
 
-TEST_P(PluginStopped, ReceiverStoppedTheSendersRequestsErrorInTime) { run("recv"); }
+TEST_P(PluginStopped, ReceiverStoppedTheSendersRequestsErrorInTime) {
+  // Up to three tries for the sender's requests to be in flight when the receiver stops; the
+  // third asserts that they were.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    retry_if_nothing_in_flight_ = attempt < 2;
+    nothing_in_flight_ = false;
+    run("recv");
+    if (!nothing_in_flight_ || HasFailure()) return;
+    printf("[ recv stopped ] %s: nothing was in flight at the stop; again\n", GetParam().name.c_str());
+  }
+}
 TEST_P(PluginStopped, SenderStoppedTheReceiversRequestsErrorInTime) { run("send"); }
 TEST_P(PluginStopped, SenderSleepingTwiceTheTimeoutIsWaitedFor) { run("none"); }
 
