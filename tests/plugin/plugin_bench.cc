@@ -577,7 +577,6 @@ struct Side {
     for (int k = 0; k < depth; ++k) posted.push_back(post_recv(size));
     for (int k = 0; k < total; ++k) {
       if (k == warm) t0 = Clock::now();
-      const bool refill = k + depth < total;
       if (a) {
         // With one receive it is posted before the ping; with more, after it (the ping goes out
         // first), in place of the one the last pong took.
@@ -588,6 +587,7 @@ struct Side {
         wait(posted.front(), "test(pong)");
         posted.pop_front();
       } else {
+        const bool refill = k + depth < total;  // a ping is still to come for one more receive
         wait(posted.front(), "test(ping)");
         posted.pop_front();
         if (refill && depth == 1) posted.push_back(post_recv(size));
