@@ -77,9 +77,7 @@ void on_notice(Device* d, PeerId from, const NoticeMsg& m) {
     }
   }
   if (!reply) return;
-  uint8_t buf[kNoticeBytes];
-  encode_notice(NoticeMsg{m.token, reply_to_send, NoticeWhat::kAck, false, 0}, buf);
-  Status st = send_ctrl(d, from, buf, kNoticeBytes);
+  Status st = send_ack(d, from, m.token, reply_to_send);
   if (st.ok()) return;
   if (for_comm) {
     // Not sent (no control buffer free: a deregMr from several threads at once retells BROKEN to
@@ -178,6 +176,19 @@ Status send_notice(CommBase* c, NoticeWhat what, bool clean, uint64_t count) {
   uint8_t buf[kNoticeBytes];
   encode_notice(NoticeMsg{c->token, !c->is_send, what, clean, count}, buf);
   return send_ctrl(c->dev, c->peer, buf, kNoticeBytes);
+}
+
+Status send_ack(Device* d, PeerId peer, uint64_t token, bool to_send) {
+  // PONTE_FAULT_BUSY_ACKS (tests): the first N ACKs of the process are refused as if the 64
+  // control buffers were in flight, which a deregMr from several threads at once can cause.
+  static std::atomic<uint32_t> busy_left{global_config().fault_busy_acks};
+  uint32_t left = busy_left.load(std::memory_order_relaxed);
+  while (left > 0 && !busy_left.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+  }
+  if (left > 0) return Status(Code::kAgain, "no control buffer free on device %d (PONTE_FAULT_BUSY_ACKS)", d->index);
+  uint8_t buf[kNoticeBytes];
+  encode_notice(NoticeMsg{token, to_send, NoticeWhat::kAck, false, 0}, buf);
+  return send_ctrl(d, peer, buf, kNoticeBytes);
 }
 
 void break_comm(CommBase* c, Code code) {

@@ -365,6 +365,9 @@ inline Status bad(const char* what) { return Status(Code::kInvalidArgument, "%s"
 Status send_ctrl(Device* d, PeerId peer, const uint8_t* msg, size_t len, uint64_t connect_token = 0);
 // Sends a NOTICE to the other end of c's pair.
 Status send_notice(CommBase* c, NoticeWhat what, bool clean = false, uint64_t count = 0);
+// An ACK (the answer to a BROKEN or CLOSED for the pair token) to peer; kAgain: no control buffer
+// free (or PONTE_FAULT_BUSY_ACKS held it back): the ACK is still owed.
+Status send_ack(Device* d, PeerId peer, uint64_t token, bool to_send);
 // Marks c's pair broken with code (first cause wins) and tells the other end (once; retried by
 // later calls while no control buffer is free). Under d->mu or on the thread that drives c.
 void break_comm(CommBase* c, Code code);

@@ -104,8 +104,10 @@ void retire_comm(Device* d, CommBase* c) {
 void answer_stop(CommBase* c) {
   if (!c->paired || !c->peer_stop.load() || c->inflight.load() != 0 || c->ack_sent.load()) return;
   if (c->ack_sent.exchange(true)) return;
-  Status st = send_notice(c, NoticeWhat::kAck);
-  if (st.code() == Code::kAgain) c->ack_sent.store(false);  // no control buffer free: later
+  Status st = send_ack(c->dev, c->peer, c->token, !c->is_send);
+  // No control buffer free: owed to the next call, or to the next BROKEN (on_notice). Not logged:
+  // the driving thread calls this on every pass.
+  if (st.code() == Code::kAgain) c->ack_sent.store(false);
 }
 
 void teardown_device(Device* d) {

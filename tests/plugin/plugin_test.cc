@@ -1007,6 +1007,14 @@ TEST(PluginProcesses, ReceiverKilledMidStreamFailsTheSender) {
   close_pair(net, &q);
 }
 
+// Listens on device 0, hands the peer (a sender) the handle and accepts its connection.
+void accept_from_peer(const Net& net, Peer& peer, void** listen, void** recv) {
+  Handle h;
+  ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, listen));
+  ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
+  ASSERT_OK(accept_comm(net, *listen, recv));
+}
+
 // Receives while the peer (the sender) is killed: the pending receive fails, nothing hangs.
 TEST(PluginProcesses, SenderKilledMidStreamFailsTheReceiver) {
   set_test_environment();
@@ -1014,12 +1022,9 @@ TEST(PluginProcesses, SenderKilledMidStreamFailsTheReceiver) {
   ASSERT_OK(net.init_result);
   Peer peer({"send_forever"});
   ASSERT_TRUE(peer.started());
-  Handle h;
   void* listen = nullptr;
-  ASSERT_OK(net->listen(net.ctx(), 0, h.bytes, &listen));
-  ASSERT_TRUE(peer.channel().send(h.bytes, sizeof(h.bytes)));
   void* recv = nullptr;
-  ASSERT_OK(accept_comm(net, listen, &recv));
+  ASSERT_NO_FATAL_FAILURE(accept_from_peer(net, peer, &listen, &recv));
   Buffer dst(net, recv, kMiB);
   int received = 0;
   NcclResult failure = kSuccess;
@@ -1196,6 +1201,49 @@ TEST(PluginProcesses, ReceiverDeregisteringPostedBuffersBreaksNoNeighbour) {
 }
 TEST(PluginProcesses, ReceiverClosingWithReceivesPostedBreaksNoNeighbour) {
   abort_beside_a_neighbour("close");
+}
+
+// An ACK that finds no control buffer free (64 in flight: a deregMr from several threads at once
+// retells BROKEN to many comms) is owed, and the receiver's next BROKEN gets it. The peer sends;
+// its first three ACKs are refused (PONTE_FAULT_BUSY_ACKS=3). We post 8 receives whose CTS it
+// holds, then deregister them: deregMr tells the sender BROKEN, again every 50 ms, and returns
+// once the fourth try is answered. An ACK left marked sent when it was not made the sender ignore
+// every retell, and deregMr waited out PONTE_TIMEOUT_MS.
+TEST(PluginProcesses, AckThatFoundNoControlBufferIsSentAgain) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  Peer peer({"hold_cts"}, {"PONTE_FAULT_BUSY_ACKS=3"});
+  ASSERT_TRUE(peer.started());
+  void* listen = nullptr;
+  void* recv = nullptr;
+  ASSERT_NO_FATAL_FAILURE(accept_from_peer(net, peer, &listen, &recv));
+  std::string msg;
+  ASSERT_TRUE(peer.channel().recv_str(&msg, 60000) && msg == "connected") << msg;
+  constexpr int kBuffers = 8;
+  std::vector<uint8_t*> buf(kBuffers);
+  std::vector<void*> mh(kBuffers);
+  for (int i = 0; i < kBuffers; ++i) {
+    buf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+    ASSERT_OK(net->reg_mr(recv, buf[i], kMiB, kPtrHost, &mh[i]));
+    void* data[1] = {buf[i]};
+    size_t cap[1] = {kMiB};
+    int tags[1] = {i};
+    void* mhs[1] = {mh[i]};
+    void* req = nullptr;
+    ASSERT_OK(post_recv(net, recv, 1, data, cap, tags, mhs, &req));
+  }
+  const auto t0 = Clock::now();
+  for (int i = 0; i < kBuffers; ++i) EXPECT_OK(net->dereg_mr(recv, mh[i]));
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  const auto limit = std::chrono::milliseconds(std::atoi(std::getenv("PONTE_TIMEOUT_MS"))) / 2;
+  EXPECT_LT(took, limit) << "deregMr waited for the sender's ACK as if it were never sent again";
+  ASSERT_TRUE(peer.channel().send_str("aborted"));
+  ASSERT_TRUE(peer.channel().recv_str(&msg, 60000));
+  EXPECT_EQ(msg, "ok");
+  EXPECT_OK(net->close_recv(recv));
+  EXPECT_OK(net->close_listen(listen));
+  for (uint8_t* b : buf) std::free(b);
 }
 
 TEST(PluginProcesses, V8TableMovesData) {
@@ -1403,6 +1451,30 @@ int peer_main(int argc, char** argv) {
       net->close_recv(recv);
       net->close_listen(listen);
     }
+    ch.send_str("ok");
+    return 0;
+  }
+  if (role == "hold_cts") {  // see AckThatFoundNoControlBufferIsSentAgain
+    std::vector<uint8_t> handle;
+    if (!ch.recv(&handle) || handle.size() != kHandleMaxSize) return fail("handle");
+    void* send = nullptr;
+    if (connect_comm(net, 0, handle.data(), &send) != kSuccess) return fail("connect");
+    ch.send_str("connected");
+    std::string go;
+    if (!ch.recv_str(&go, 120000) || go != "aborted") return fail("no abort");
+    {
+      Buffer src(net, send, kMiB);
+      NcclResult r = kSuccess;
+      void* req = nullptr;
+      const auto deadline = Clock::now() + 10s;
+      while (r == kSuccess && !req && Clock::now() < deadline)
+        r = net->isend(send, src.data(), kMiB, 0, src.mh(), nullptr, &req);
+      if (r == kSuccess)
+        return fail(req ? "a send on the aborted comm was written" : "a send on the aborted comm never failed");
+    }
+    if (!log_record().contains("could not answer a close or failure notice yet"))
+      return fail("no ACK was held back: PONTE_FAULT_BUSY_ACKS had no effect");
+    net->close_send(send);
     ch.send_str("ok");
     return 0;
   }
