@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdarg>
@@ -260,11 +261,11 @@ bool DoneCell::wait_until(std::chrono::steady_clock::time_point deadline) {
   // no other thread wants it): the engine's worker, which fires the cell, often shares the
   // waiter's core, and a futex sleep costs the worker a wake-up syscall and the waiter a context
   // switch per operation. On shm (the worker posts there, a Python wait does not poll), a 64 KiB
-  // write stream at window 16 went from 0.34-0.42 to 0.52-0.62 of ponte-bench's
+  // write stream at window 16 went from 0.34-0.42 to 0.48-0.67 of ponte-bench's
   // (bench/py_overhead.py, two cores).
   constexpr auto kYieldSpinUs = std::chrono::microseconds(50);
-  const auto spin_end = std::chrono::steady_clock::now() + kYieldSpinUs;
-  while (std::chrono::steady_clock::now() < spin_end && std::chrono::steady_clock::now() < deadline) {
+  const auto spin_end = std::min(deadline, std::chrono::steady_clock::now() + kYieldSpinUs);
+  while (std::chrono::steady_clock::now() < spin_end) {
     if (done()) return true;
     sched_yield();
   }
