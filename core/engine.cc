@@ -164,7 +164,9 @@ Result<PeerId> Engine::connect(int group, std::span<const uint8_t> peer_address,
   if (addr->backend != impl_->backend->kind())
     return Status(Code::kInvalidArgument, "peer address is for the %s backend, this engine runs %s",
                   backend_name(addr->backend), backend_name(impl_->backend->kind()));
-  PONTE_ASSIGN_OR_RETURN(PeerId id, g->new_outbound_peer(*addr, options.traffic_class));
+  bool existing = false;
+  PONTE_ASSIGN_OR_RETURN(PeerId id, g->new_outbound_peer(*addr, options.traffic_class, &existing));
+  if (existing) return id;  // connected already (either way): that connection serves both
   Op op;
   op.type = Op::kConnect;
   op.peer = id;

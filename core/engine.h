@@ -105,7 +105,10 @@ class Engine {
 
   // Starts connecting group to the remote group at peer_address; never blocks. Operations to the
   // returned peer may be submitted at once: they wait until the handshake completes. A peer that
-  // connects to us appears through incoming_peers / RecvHandler with its own PeerId.
+  // connects to us appears through peers() / RecvHandler with its own PeerId. A group is
+  // one peer, whichever end connected first: connecting to a group that is connected already
+  // (either way, and with the same traffic class) returns that peer. A group connected to itself
+  // is two (the outbound and the inbound end).
   Result<PeerId> connect(int group, std::span<const uint8_t> peer_address, const ConnectOptions& options = {});
   // Whether the handshake with peer has completed (false when dead).
   bool peer_ready(int group, PeerId peer) const;
@@ -235,7 +238,8 @@ class Engine {
   // How many immediates one write of len bytes to peer produces at the target.
   uint32_t imms_per_write(int group, PeerId peer, size_t len) const;
 
-  // Peers that connected to this group from elsewhere (not through connect()), in arrival order.
+  // Peers that connected to this group from elsewhere, in arrival order (a later connect() to one
+  // of them returns it).
   std::vector<PeerId> peers(int group) const;
 
  private:

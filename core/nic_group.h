@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -107,7 +108,9 @@ class NicGroup {
   bool pollers_post() const { return pollers_post_; }  // progress() posts here (not on shm)
 
   // Peers.
-  Result<PeerId> new_outbound_peer(const GroupAddress& addr, int traffic_class = -1);
+  // The peer for a remote group: a live one with the same traffic class if there is one (it
+  // connected to us, or we to it: *existing = true, nothing to start), else a new outbound one.
+  Result<PeerId> new_outbound_peer(const GroupAddress& addr, int traffic_class, bool* existing);
   bool peer_ready(PeerId p) const;
   uint32_t peer_epoch(PeerId p) const;
   bool peer_dead(PeerId p) const;    // nothing more will come from it (after any drain)
@@ -245,7 +248,9 @@ class NicGroup {
   void expire_pending(std::chrono::steady_clock::time_point now);
   void drop_pending(size_t i, const char* uninvited_why);
   void note_uninvited(const char* why);
-  PeerId find_peer(uint64_t nonce, uint8_t group) const;
+  // A connecting or ready peer for the remote group (nonce, group), of that traffic class unless
+  // null; kAnyPeer if none. Call with peers_mu_ held.
+  PeerId find_peer(uint64_t nonce, uint8_t group, const int* traffic_class = nullptr) const;
   uint32_t alloc_slot();
   void sleep_idle(uint32_t us);
   void post_recv_buffers();
@@ -277,6 +282,11 @@ class NicGroup {
 
   std::vector<Peer> peers_;
   std::atomic<uint32_t> next_peer_{0};
+  // One peer per remote group (and traffic class): new_outbound_peer (any thread) and adopt_pending
+  // (the token's holder) find or create a peer under it, and write peers' addresses only under it.
+  // Without it, a connection that arrived before our own connect() made a second peer for the
+  // same group, whose QP the other end never connected to (its writes were never answered).
+  mutable std::mutex peers_mu_;
   std::atomic<uint64_t> reads_posted_[kMaxNicsPerGroup] = {};  // per NIC; read by reads_posted()
   std::vector<PendingSocket> pending_;
   AuthKey auth_;                 // what an accepted connection must prove

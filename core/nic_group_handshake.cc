@@ -15,9 +15,22 @@
 
 namespace ponte {
 
-Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr, int traffic_class) {
+Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr, int traffic_class, bool* existing) {
+  *existing = false;
   auto key = AuthKey::for_peer(addr.auth_kind, addr.auth_secret, cfg_.job_key);
   if (!key.ok()) return key.status();
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  // A group connected to itself is two peers (see adopt_pending); any other group is one, however
+  // many times and from whichever end it was connected: the other end folds every connection
+  // from us into one peer too.
+  const bool self = addr.engine_nonce == engine_nonce_ && addr.group == index_;
+  if (!self) {
+    PeerId found = find_peer(addr.engine_nonce, addr.group, &traffic_class);
+    if (found != kAnyPeer) {
+      *existing = true;
+      return found;
+    }
+  }
   PeerId id = next_peer_.fetch_add(1, std::memory_order_relaxed);
   if (id >= kMaxPeers) {
     next_peer_.store(kMaxPeers, std::memory_order_relaxed);
@@ -67,12 +80,13 @@ std::vector<PeerId> NicGroup::inbound_peers() const {
   return out;
 }
 
-PeerId NicGroup::find_peer(uint64_t nonce, uint8_t group) const {
+PeerId NicGroup::find_peer(uint64_t nonce, uint8_t group, const int* traffic_class) const {
   uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n; i++) {
     const Peer& p = peers_[i];
     uint8_t st = p.state.load(std::memory_order_acquire);
-    if ((st == kConnecting || st == kReady) && p.addr_known && p.addr.engine_nonce == nonce && p.addr.group == group)
+    if ((st == kConnecting || st == kReady) && p.addr_known && p.addr.engine_nonce == nonce &&
+        p.addr.group == group && (!traffic_class || p.traffic_class == *traffic_class))
       return i;
   }
   return kAnyPeer;
@@ -144,8 +158,7 @@ Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
   if (!addr.ok()) return addr.status();
   if (addr->backend != backend_)
     return Status(Code::kInvalidArgument, "peer runs the %s backend, this group %s", backend_name(addr->backend), backend_name(backend_));
-  if (!p.addr_known) learn_address(p, *addr);
-  int n = p.nics.load(std::memory_order_relaxed);
+  int n = p.nics.load(std::memory_order_relaxed);  // its address is known: adopt_pending or connect
   const size_t nblobs = msg.blobs.size();
   if (nblobs < static_cast<size_t>(n))
     return Status(Code::kInvalidArgument, "handshake: %zu connect blobs for %d NICs", nblobs, n);
@@ -300,17 +313,24 @@ void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point 
   // A group connected to itself (the plugin's flush reads) is two peers, its outbound and its
   // inbound end: never fold the inbound connection into the outbound peer that made it.
   const bool self = addr->engine_nonce == engine_nonce_ && addr->group == index_;
-  PeerId id = self ? kAnyPeer : find_peer(addr->engine_nonce, addr->group);
-  if (id == kAnyPeer) {
-    id = next_peer_.fetch_add(1, std::memory_order_relaxed);
-    if (id >= kMaxPeers) {
-      PONTE_LOG_WARN("group %d: refusing a peer: more than %u peers", index_, kMaxPeers);
-      return drop_pending(i, nullptr);
+  PeerId id = kAnyPeer;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (!self) id = find_peer(addr->engine_nonce, addr->group);
+    if (id == kAnyPeer) {
+      id = next_peer_.fetch_add(1, std::memory_order_relaxed);
+      if (id < kMaxPeers) {
+        Peer& p = peers_[id];
+        p.inbound = true;
+        learn_address(p, *addr);  // before it is published: connect() may find it from now on
+        p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
+        p.state.store(kConnecting, std::memory_order_release);
+      }
     }
-    Peer& p = peers_[id];
-    p.inbound = true;
-    p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
-    p.state.store(kConnecting, std::memory_order_release);
+  }
+  if (id >= kMaxPeers) {
+    PONTE_LOG_WARN("group %d: refusing a peer: more than %u peers", index_, kMaxPeers);
+    return drop_pending(i, nullptr);
   }
   Peer& p = peers_[id];
   // An outbound peer's sock[0] is its own connection, even before the kConnect op (still in the

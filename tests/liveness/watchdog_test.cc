@@ -149,7 +149,8 @@ struct Rig {
     ASSERT_TRUE(group->start({}).ok());
     auto addr = GroupAddress::decode(group->address());
     ASSERT_TRUE(addr.ok());
-    auto id = group->new_outbound_peer(*addr, -1);  // no kConnect: it stays connecting
+    bool existing = false;
+    auto id = group->new_outbound_peer(*addr, -1, &existing);  // no kConnect: it stays connecting
     ASSERT_TRUE(id.ok());
     peer = *id;
     mr.addr = buf.data();
