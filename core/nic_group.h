@@ -286,7 +286,7 @@ class NicGroup {
   // (the token's holder) find or create a peer under it, and write peers' addresses only under it.
   // Without it, a connection that arrived before our own connect() made a second peer for the
   // same group, whose QP the other end never connected to (its writes were never answered).
-  mutable std::mutex peers_mu_;
+  std::mutex peers_mu_;
   std::atomic<uint64_t> reads_posted_[kMaxNicsPerGroup] = {};  // per NIC; read by reads_posted()
   std::vector<PendingSocket> pending_;
   AuthKey auth_;                 // what an accepted connection must prove
