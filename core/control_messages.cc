@@ -10,6 +10,7 @@ namespace ponte {
 
 static constexpr size_t kHeader = 4;
 static constexpr size_t kMaxBlobs = 255;
+static constexpr uint16_t kNoTrafficClass = 0xffff;  // HELLO: no class asked for
 
 static void put_header(WireWriter& w, ControlType type) {
   w.u8(kControlVersion);
@@ -51,11 +52,14 @@ static Result<std::span<const uint8_t>> body_of(std::span<const uint8_t> b, Cont
 Result<std::vector<uint8_t>> encode_hello(const HelloMsg& m) {
   if (m.address.empty() || m.address.size() > UINT16_MAX || m.blobs.size() > kMaxBlobs)
     return Status(Code::kInvalidArgument, "hello: %zu address bytes, %zu blobs", m.address.size(), m.blobs.size());
+  if (m.traffic_class < -1 || m.traffic_class > 255)
+    return Status(Code::kInvalidArgument, "hello: traffic class %d (0..255, or -1)", m.traffic_class);
   std::vector<uint8_t> out;
   WireWriter w(out);
   put_header(w, ControlType::kHello);
   w.u32(m.id_for_receiver);
   w.u32(m.epoch);
+  w.u16(m.traffic_class < 0 ? kNoTrafficClass : static_cast<uint16_t>(m.traffic_class));
   w.u16(static_cast<uint16_t>(m.address.size()));
   w.bytes(m.address);
   w.u8(static_cast<uint8_t>(m.blobs.size()));
@@ -76,11 +80,14 @@ Result<HelloMsg> decode_hello(std::span<const uint8_t> bytes) {
   HelloMsg m;
   m.id_for_receiver = r.u32();
   m.epoch = r.u32();
+  const uint16_t tc = r.u16();
   uint16_t alen = r.u16();
   auto addr = r.bytes(alen);
   uint8_t nblobs = r.u8();
   if (!r.ok()) return Status(Code::kInvalidArgument, "hello: %zu bytes is truncated", bytes.size());
   if (alen == 0) return Status(Code::kInvalidArgument, "hello: no group address");
+  if (tc > 255 && tc != kNoTrafficClass) return Status(Code::kInvalidArgument, "hello: traffic class %u", tc);
+  m.traffic_class = tc == kNoTrafficClass ? -1 : tc;
   m.address.assign(addr.begin(), addr.end());
   m.blobs.reserve(nblobs);
   for (int k = 0; k < nblobs; k++) {

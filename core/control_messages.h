@@ -13,16 +13,21 @@
 
 namespace ponte {
 
-// Version 2 added CHALLENGE/AUTH and HELLO's length, version 3 PING/PONG; a peer of another
-// version is refused by both sides (its challenge or proof does not decode).
-constexpr uint8_t kControlVersion = 3;
+// Version 2 added CHALLENGE/AUTH and HELLO's length, version 3 PING/PONG, version 4 HELLO's
+// traffic class; a peer of another version is refused by both sides (its challenge or proof does
+// not decode).
+constexpr uint8_t kControlVersion = 4;
 enum class ControlType : uint8_t { kHello = 1, kBye = 2, kChallenge = 3, kAuth = 4, kPing = 5, kPong = 6 };
 
 // Every message starts u8 version, u8 type, u16 total length (little endian).
 // CHALLENGE (acceptor -> connector, first on every accepted connection): 16 random bytes.
 // AUTH (connector -> acceptor, its first message): the 32-byte proof (auth_proof).
-// HELLO: u32 id the sender gave the receiver, u32 epoch (handshake round), u16 address length,
-//   the sender's group address, u8 blob count, count x (u16 length, connect blob).
+// HELLO: u32 id the sender gave the receiver, u32 epoch (handshake round), u16 traffic class
+//   (0..255, or 0xffff: none asked for), u16 address length, the sender's group address, u8 blob
+//   count, count x (u16 length, connect blob). The class is the connecting side's
+//   ConnectOptions::traffic_class (the accepting side answers with the one it took): a remote group
+//   is one peer per class at both ends, so the acceptor folds a connection into a peer only when
+//   their classes match.
 // PING, PONG: nothing more. A worker that has heard nothing from a ready peer for a quarter of its
 //   PONTE_TIMEOUT_MS sends PING (again every quarter while that lasts) on a connection that carried
 //   its hello; the peer's worker answers PONG at once; a peer heard nothing from for
@@ -33,6 +38,7 @@ enum class ControlType : uint8_t { kHello = 1, kBye = 2, kChallenge = 3, kAuth =
 struct HelloMsg {
   uint32_t id_for_receiver = 0;  // travels as the immediate of the receiver's sends to the sender
   uint32_t epoch = 0;
+  int traffic_class = -1;        // -1: none asked for (PONTE_IB_TC)
   std::vector<uint8_t> address;  // GroupAddress bytes (decoded by the receiver)
   std::vector<std::vector<uint8_t>> blobs;  // one per NIC: Nic::connect_blob()
   friend bool operator==(const HelloMsg&, const HelloMsg&) = default;

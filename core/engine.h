@@ -105,10 +105,10 @@ class Engine {
 
   // Starts connecting group to the remote group at peer_address; never blocks. Operations to the
   // returned peer may be submitted at once: they wait until the handshake completes. A group that
-  // connects to us appears through peers() / RecvHandler. A remote group is one peer, whichever
-  // end connected first: connecting to a group that is connected already (either way, and with
-  // the same traffic class) returns that peer. A group connected to itself is two (the outbound
-  // and the inbound end).
+  // connects to us appears through peers() / RecvHandler. A remote group is one peer per traffic
+  // class, whichever end connected first: connecting to a group that is connected already (either
+  // way) with the same class returns that peer; another class is another peer, at both ends. A
+  // group connected to itself is two (the outbound and the inbound end).
   Result<PeerId> connect(int group, std::span<const uint8_t> peer_address, const ConnectOptions& options = {});
   // Whether the handshake with peer has completed (false when dead).
   bool peer_ready(int group, PeerId peer) const;

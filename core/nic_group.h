@@ -160,7 +160,7 @@ class NicGroup {
     std::atomic<bool> draining{false};  // closed in order: its writes still in flight may land until
     std::chrono::steady_clock::time_point drain_deadline;  // then its counters fail
     uint32_t remote_tag = 0;  // the id the peer gave us: travels as imm of our sends
-    int traffic_class = -1;   // outbound: ConnectOptions::traffic_class, set on every NIC peer
+    int traffic_class = -1;   // ConnectOptions::traffic_class (inbound: the hello's), set on every NIC peer
     std::atomic<uint32_t> rebuilds{0};  // connection rebuilds so far (Engine::peer_epoch)
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen
@@ -248,9 +248,9 @@ class NicGroup {
   void expire_pending(std::chrono::steady_clock::time_point now);
   void drop_pending(size_t i, const char* uninvited_why);
   void note_uninvited(const char* why);
-  // A connecting or ready peer for the remote group (nonce, group), of that traffic class unless
-  // null; kAnyPeer if none. Call with peers_mu_ held.
-  PeerId find_peer(uint64_t nonce, uint8_t group, const int* traffic_class = nullptr) const;
+  // A connecting or ready peer for the remote group (nonce, group) and traffic class; kAnyPeer if
+  // none. Call with peers_mu_ held.
+  PeerId find_peer(uint64_t nonce, uint8_t group, int traffic_class) const;
   uint32_t alloc_slot();
   void sleep_idle(uint32_t us);
   void post_recv_buffers();

@@ -25,7 +25,7 @@ Result<PeerId> NicGroup::new_outbound_peer(const GroupAddress& addr, int traffic
   // from us into one peer too.
   const bool self = addr.engine_nonce == engine_nonce_ && addr.group == index_;
   if (!self) {
-    PeerId found = find_peer(addr.engine_nonce, addr.group, &traffic_class);
+    PeerId found = find_peer(addr.engine_nonce, addr.group, traffic_class);
     if (found != kAnyPeer) {
       *existing = true;
       return found;
@@ -80,13 +80,13 @@ std::vector<PeerId> NicGroup::inbound_peers() const {
   return out;
 }
 
-PeerId NicGroup::find_peer(uint64_t nonce, uint8_t group, const int* traffic_class) const {
+PeerId NicGroup::find_peer(uint64_t nonce, uint8_t group, int traffic_class) const {
   uint32_t n = std::min(next_peer_.load(std::memory_order_acquire), kMaxPeers);
   for (PeerId i = 0; i < n; i++) {
     const Peer& p = peers_[i];
     uint8_t st = p.state.load(std::memory_order_acquire);
     if ((st == kConnecting || st == kReady) && p.addr_known && p.addr.engine_nonce == nonce &&
-        p.addr.group == group && (!traffic_class || p.traffic_class == *traffic_class))
+        p.addr.group == group && p.traffic_class == traffic_class)
       return i;
   }
   return kAnyPeer;
@@ -112,6 +112,7 @@ Status NicGroup::send_hello(PeerId id, int which) {
   HelloMsg m;
   m.id_for_receiver = id;  // the id we gave the peer: its sends to us carry it
   m.epoch = p.epoch;
+  m.traffic_class = p.traffic_class;
   m.address = address_bytes_;
   int n = p.nics.load(std::memory_order_relaxed);
   for (int k = 0; k < n; k++) {
@@ -311,17 +312,21 @@ void NicGroup::adopt_pending(size_t i, const HelloMsg& hello, Clock::time_point 
     return drop_pending(i, nullptr);
   }
   // A group connected to itself (the plugin's flush reads) is two peers, its outbound and its
-  // inbound end: never fold the inbound connection into the outbound peer that made it.
+  // inbound end: never fold the inbound connection into the outbound peer that made it. Any other
+  // group is one peer per traffic class, at both ends: a connection asking for another class than
+  // our peer's is a peer of its own (folded in, its QPs would go unanswered: the other end
+  // connects them, we never would).
   const bool self = addr->engine_nonce == engine_nonce_ && addr->group == index_;
   PeerId id = kAnyPeer;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
-    if (!self) id = find_peer(addr->engine_nonce, addr->group);
+    if (!self) id = find_peer(addr->engine_nonce, addr->group, hello.traffic_class);
     if (id == kAnyPeer) {
       id = next_peer_.fetch_add(1, std::memory_order_relaxed);
       if (id < kMaxPeers) {
         Peer& p = peers_[id];
         p.inbound = true;
+        p.traffic_class = hello.traffic_class;  // our connect() with that class finds this peer
         learn_address(p, *addr);  // before it is published: connect() may find it from now on
         p.handshake_deadline = now + std::chrono::milliseconds(cfg_.timeout_ms);
         p.state.store(kConnecting, std::memory_order_release);

@@ -45,6 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   HelloMsg x;
   x.id_for_receiver = fdp.ConsumeIntegral<uint32_t>();
   x.epoch = fdp.ConsumeIntegral<uint32_t>();
+  x.traffic_class = fdp.ConsumeIntegralInRange<int>(-1, 255);
   x.address = fdp.ConsumeBytes<uint8_t>(fdp.ConsumeIntegralInRange<size_t>(1, 300));
   if (x.address.empty()) x.address.push_back(1);
   const int n = fdp.ConsumeIntegralInRange<int>(0, 16);

@@ -103,6 +103,41 @@ TEST(ControlAuth, MessagesAreStrict) {
   EXPECT_FALSE(decode_hello(encode_bye()).ok());
 }
 
+// A hello says which traffic class its sender's connection asked for (the acceptor keeps one peer
+// per remote group and class): none (-1) and 0..255 round-trip; anything else is refused.
+TEST(ControlAuth, HelloCarriesItsTrafficClass) {
+  HelloMsg h;
+  h.id_for_receiver = 3;
+  h.epoch = 1;
+  h.address = {1, 2, 3};
+  h.blobs = {{4, 5}};
+  for (int tc : {-1, 0, 106, 255}) {
+    h.traffic_class = tc;
+    auto e = encode_hello(h);
+    ASSERT_TRUE(e.ok()) << e.status().message();
+    auto d = decode_hello(*e);
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    EXPECT_EQ(d->traffic_class, tc);
+    EXPECT_EQ(*d, h);
+  }
+  h.traffic_class = 256;
+  EXPECT_FALSE(encode_hello(h).ok());
+  h.traffic_class = -2;
+  EXPECT_FALSE(encode_hello(h).ok());
+  h.traffic_class = 7;
+  auto e = encode_hello(h);
+  ASSERT_TRUE(e.ok());
+  auto bad = *e;
+  bad[12] = 0x00;  // u16 class at offset 12 (after the header, id and epoch): 0x0100 = 256
+  bad[13] = 0x01;
+  auto d = decode_hello(bad);
+  EXPECT_FALSE(d.ok());
+  EXPECT_NE(std::string(d.status().message()).find("traffic class"), std::string::npos) << d.status().message();
+  auto v3 = *e;
+  v3[0] = 3;  // version 3 had no class in its hello: refused
+  EXPECT_FALSE(decode_hello(v3).ok());
+}
+
 TEST(ControlAuth, GroupAddressCarriesTheSecretStrictly) {
   GroupAddress a;
   a.engine_nonce = 1;

@@ -549,6 +549,57 @@ TEST_P(EngineTest, ConnectAfterThePeerConnectedReturnsThatPeer) {
   EXPECT_EQ(engines[1]->peers(0).size(), 1u);
 }
 
+// Waits until engine e has n inbound peers (connections from other groups) and returns them.
+std::vector<PeerId> wait_inbound(Engine& e, size_t n) {
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (e.peers(0).size() < n && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  return e.peers(0);
+}
+
+// A remote group is one peer per traffic class, at both ends: the other end's connection of class
+// 5 is the peer our connect() of class 5 returns; a connection of class 7 is a peer of its own
+// there and here. The acceptor used to fold every connection from a group into its first peer
+// whatever its class (the hello did not say it), and a connect() with a class found no inbound
+// peer (those had none): a second peer whose QPs, on verbs, the other end never connected.
+TEST_P(EngineTest, EachTrafficClassIsAPeerOfItsOwnAtBothEnds) {
+  auto a = make_engine(GetParam(), 'A', 1);
+  auto b = make_engine(GetParam(), 'B', 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Engine* engines[2] = {a->get(), b->get()};
+  ConnectOptions tc5, tc7;
+  tc5.traffic_class = 5;
+  tc7.traffic_class = 7;
+  auto a5 = engines[0]->connect(0, engines[1]->address(0), tc5);
+  ASSERT_TRUE(a5.ok()) << a5.status().message();
+  auto b_inbound = wait_inbound(*engines[1], 1);
+  ASSERT_EQ(b_inbound.size(), 1u) << "A's connection never reached B";
+  auto b5 = engines[1]->connect(0, engines[0]->address(0), tc5);
+  ASSERT_TRUE(b5.ok()) << b5.status().message();
+  EXPECT_EQ(*b5, b_inbound[0]) << "B made a second class-5 peer for A";
+  auto b7 = engines[1]->connect(0, engines[0]->address(0), tc7);
+  ASSERT_TRUE(b7.ok()) << b7.status().message();
+  EXPECT_NE(*b7, *b5) << "B's class-7 connection reused its class-5 peer";
+  auto a_inbound = wait_inbound(*engines[0], 1);
+  ASSERT_EQ(a_inbound.size(), 1u) << "A folded B's class-7 connection into its class-5 peer";
+  auto a7 = engines[0]->connect(0, engines[1]->address(0), tc7);
+  ASSERT_TRUE(a7.ok()) << a7.status().message();
+  EXPECT_EQ(*a7, a_inbound[0]) << "A made a second class-7 peer for B";
+  EXPECT_NE(*a7, *a5);
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  const PeerId pairs[2][2] = {{*a5, *b5}, {*a7, *b7}};
+  for (const auto& ids : pairs)
+    for (int me = 0; me < 2; me++) {
+      while (!engines[me]->peer_ready(0, ids[me]) && !engines[me]->peer_dead(0, ids[me]) &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(1ms);
+      ASSERT_TRUE(engines[me]->peer_ready(0, ids[me])) << "side " << me << "'s peer never became ready";
+    }
+  ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, pairs[0], 55, "class 5"));
+  ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, pairs[1], 57, "class 7"));
+  EXPECT_EQ(engines[0]->peers(0).size(), 1u);
+  EXPECT_EQ(engines[1]->peers(0).size(), 1u);
+}
+
 TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {
   start();
   fill(src_, 64 << 20, 1);
