@@ -130,6 +130,10 @@ class Nic {
   virtual Status post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
                            uint64_t ctx, bool inline_ok) = 0;
   virtual Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) = 0;
+  // Puts on the wire what the posts since the last call staged (a backend may gather a pass's
+  // posts and hand them over together: verbs chains each QP's work requests behind one doorbell).
+  // The engine calls it after each of its posting passes; poll() does it first too.
+  virtual void flush_posts() {}
 
   // Reads up to max completions into out; returns how many, never blocks.
   virtual int poll(Completion* out, int max) = 0;

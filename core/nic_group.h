@@ -218,6 +218,7 @@ class NicGroup {
   static bool pollers_may_post(const std::vector<std::unique_ptr<Nic>>& nics);
   void linger();  // orderly shutdown on the worker, after run() (bounded: see nic_group_worker.cc)
   bool poll_nics();
+  void flush_nic_posts();  // Nic::flush_posts on every NIC: after each posting pass
   bool drain_queue();
   void start_op(const Op& op);
   bool post_runnable();

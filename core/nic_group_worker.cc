@@ -58,6 +58,7 @@ void NicGroup::linger() {
     bool did = drain_queue();
     in_drain_ = false;
     if (run_head_ != kNoSlot) did |= post_runnable();
+    flush_nic_posts();
     did |= poll_nics();
     poll_control(now);  // handshakes still under way, peers that close meanwhile
     if (did) last_progress = now;
@@ -88,6 +89,10 @@ void NicGroup::linger() {
 }
 
 // Polls every NIC once and handles what completed; whether anything did.
+void NicGroup::flush_nic_posts() {
+  for (auto& nic : nics_) nic->flush_posts();
+}
+
 bool NicGroup::poll_nics() {
   bool any = false;
   for (size_t k = 0; k < nics_.size(); k++) {
@@ -95,6 +100,9 @@ bool NicGroup::poll_nics() {
     for (int c = 0; c < n; c++) on_completion(static_cast<int>(k), comps_[c]);
     any |= n > 0;
   }
+  // What the completions' callbacks started (the next op of a chain) goes out now, not at the
+  // next pass: a poller may not come back, and the worker may sleep first.
+  if (any) flush_nic_posts();
   return any;
 }
 
@@ -171,6 +179,7 @@ bool NicGroup::poller_pass(bool reap) {
         did = drain_queue();
         in_drain_ = false;
         if (run_head_ != kNoSlot) did |= post_runnable();
+        flush_nic_posts();
       }
       if (reap) did |= poll_nics();
     }
@@ -298,6 +307,7 @@ uint32_t NicGroup::worker_pass(PassState& st) {
         posted = drain_queue();
         in_drain_ = false;
         if (run_head_ != kNoSlot) posted |= post_runnable();
+        flush_nic_posts();
       }
       if (now - st.last_house >= std::chrono::microseconds(100)) {
         housekeeping(now);
@@ -317,6 +327,7 @@ uint32_t NicGroup::worker_pass(PassState& st) {
   bool did = drain_queue();
   in_drain_ = false;
   if (run_head_ != kNoSlot) did |= post_runnable();
+  flush_nic_posts();
   did |= poll_nics();
   st.worked |= did;
   if (did) st.idle_us = 0;

@@ -30,6 +30,7 @@ const char* CallGuard::name(uint64_t word) {
     case kPostSend: return "a send post (fi_senddata, ibv_post_send)";
     case kPostRecv: return "a receive post (fi_recv, ibv_post_srq_recv)";
     case kPoll: return "a completion poll (fi_cq_read, ibv_poll_cq)";
+    case kFlushPosts: return "a chain of posts (ibv_post_send)";
     case kNone: break;
   }
   return "a provider call";

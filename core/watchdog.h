@@ -62,7 +62,7 @@ class CallGuard {
  public:
   enum Call : uint8_t {
     kNone = 0, kAddPeer, kConnectBlob, kCompleteConnect, kRemovePeer, kTrafficClass, kRegister,
-    kDeregister, kPostWrite, kPostRead, kPostSend, kPostRecv, kPoll
+    kDeregister, kPostWrite, kPostRead, kPostSend, kPostRecv, kPoll, kFlushPosts
   };
   static const char* name(uint64_t word);  // "a write post (fi_writedata, ibv_post_send)", ...
 
@@ -159,6 +159,11 @@ class WatchedNic final : public Nic {
   }
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override {
     return call(CallGuard::kPostRecv, [&] { return inner_->post_recv(buf, len, desc, ctx); });
+  }
+  void flush_posts() override {
+    const uint64_t e = guard_->enter(CallGuard::kFlushPosts);
+    inner_->flush_posts();
+    guard_->leave(e);
   }
   int poll(Completion* out, int max) override {
     return call(CallGuard::kPoll, [&] { return inner_->poll(out, max); });

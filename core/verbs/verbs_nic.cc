@@ -111,6 +111,7 @@ Result<NicPeer> VerbsNic::add_peer(std::span<const uint8_t> peer_address) {
 }
 
 void VerbsNic::retire(Peer& p) {
+  flush_posts();  // nothing staged stays behind for a QP leaving service
   for (auto& q : p.qps) {
     q->force_error();  // the provider flushes what is still queued; poll() reports it
     if (q->outstanding() > 0) p.retired.push_back(std::move(q));
@@ -299,17 +300,72 @@ Status VerbsNic::sendable(NicPeer peer, size_t len, bool spread, VerbsQp** qp) {
 }
 
 Status VerbsNic::post(NicPeer peer, VerbsQp* qp, ibv_send_wr* wr, uint64_t ctx) {
-  wr->wr_id = wrid::send(peer, qp->generation(), qp->tail());
-  wr->send_flags |= IBV_SEND_SIGNALED;
-  ibv_send_wr* bad = nullptr;
-  int rc = ibv_post_send(qp->qp(), wr, &bad);
-  if (rc != 0) {
-    return Status(rc == ENOMEM ? Code::kAgain : Code::kTransport, "%s: ibv_post_send to peer %u failed: %s",
-                  info_.name.c_str(), peer, strerror(rc));
+  if (staged_count_ == kMaxStagedSends) {
+    flush_posts();
+    if (peers_[peer]->failed) return sendable(peer, 0, false, &qp);  // the flush failed it: why
   }
+  StagedSend& s = staged_[static_cast<size_t>(staged_count_++)];
+  s.wr = *wr;
+  s.wr.next = nullptr;
+  if (wr->num_sge > 0) {
+    s.sge = *wr->sg_list;
+    s.wr.sg_list = &s.sge;
+  }
+  s.wr.wr_id = wrid::send(peer, qp->generation(), qp->tail());
+  s.wr.send_flags &= ~static_cast<unsigned>(IBV_SEND_SIGNALED);  // flush_posts signals
+  s.qp = qp;
+  s.peer = peer;
+  s.linked = false;
   qp->push(ctx);
   ++nic_sends_;
   return Status::Ok();
+}
+
+void VerbsNic::flush_posts() {
+  for (int i = 0; i < staged_count_; ++i) {
+    StagedSend& head = staged_[static_cast<size_t>(i)];
+    if (head.linked) continue;
+    // This QP's staged requests, in order, linked into one chain.
+    ibv_send_wr* last = &head.wr;
+    int n = 1;
+    for (int j = i + 1; j < staged_count_; ++j) {
+      StagedSend& s = staged_[static_cast<size_t>(j)];
+      if (s.linked || s.qp != head.qp) continue;
+      if (n % kSignalEvery == 0) last->send_flags |= IBV_SEND_SIGNALED;
+      last->next = &s.wr;
+      last = &s.wr;
+      s.linked = true;
+      ++n;
+    }
+    last->send_flags |= IBV_SEND_SIGNALED;  // every request of the chain is reported by now
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(head.qp->qp(), &head.wr, &bad);
+    ++send_doorbells_;
+    if (rc != 0) refused_chain(head.peer, head.qp, bad != nullptr ? bad : &head.wr, rc);
+  }
+  staged_count_ = 0;
+}
+
+void VerbsNic::refused_chain(NicPeer peer, VerbsQp* qp, ibv_send_wr* bad, int rc) {
+  PONTE_LOG_WARN("%s: ibv_post_send to peer %u refused a work request: %s; the connection is rebuilt",
+                 info_.name.c_str(), peer, strerror(rc));
+  // The refused requests are the QP's last ones (a chain holds all that were staged for it):
+  // taken back from the ring's end, reported in posting order.
+  int m = 0;
+  for (ibv_send_wr* w = bad; w != nullptr; w = w->next) ++m;
+  uint64_t ctxs[kMaxStagedSends];
+  for (int k = m - 1; k >= 0; --k) ctxs[k] = qp->take_last();
+  for (int k = 0; k < m; ++k) {
+    Completion c;
+    c.ctx = ctxs[k];
+    c.error = Code::kTransport;
+    --nic_sends_;
+    push_pending(c);
+  }
+  qp->force_error();  // flushes what went ahead of them, signaled or not
+  Peer& p = *peers_[peer];
+  for (const auto& q : p.qps)
+    if (q.get() == qp) p.failed = true;
 }
 
 namespace {
@@ -465,9 +521,14 @@ void VerbsNic::translate(const ibv_wc& wc, Completion* out, int max, int* n) {
   if (qp == nullptr) return;
   uint32_t behind = (wrid::seq(wc.wr_id) - qp->head()) & wrid::kSeqMask;
   if (behind >= qp->outstanding()) return;  // not one of ours (already reported)
-  for (uint32_t i = 0; i < behind; ++i) {  // earlier unsignaled requests finished before this one
+  ++send_completions_;
+  // Earlier unsignaled requests ended before this one: well, unless the QP had failed before this
+  // completion (then they were flushed; the first failure is always reported, signaled or not).
+  const Code earlier = qp->state() == VerbsQp::State::kError ? Code::kTransport : Code::kOk;
+  for (uint32_t i = 0; i < behind; ++i) {
     Completion c;
     c.ctx = qp->pop();
+    c.error = earlier;
     --nic_sends_;
     emit(c);
   }
@@ -489,6 +550,7 @@ void VerbsNic::translate(const ibv_wc& wc, Completion* out, int max, int* n) {
 }
 
 int VerbsNic::poll(Completion* out, int max) {
+  flush_posts();
   flush_receives();  // what the engine posted since the last pass
   int n = 0;
   while (n < max && pending_count_ > 0) {

@@ -3,6 +3,7 @@
 // exchanges. Implements ponte::Nic.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -39,6 +40,12 @@ struct NicLimits {
 // order within it, and each write-with-immediate still carries its own immediate); sends stay on
 // QP 0, in order.
 //
+// Sends: post_write/post_read/post_send stage their work request; flush_posts() (the engine's, after
+// each posting pass, and poll() first) posts each QP's staged requests as one chain with one
+// ibv_post_send (one doorbell), only the chain's last request and every kSignalEvery-th signaled:
+// RC completes a QP's requests in order, so one completion reports every earlier one (translate).
+// A request that fails is always reported, signaled or not; after it the QP flushes the rest.
+//
 // Receives: post_recv stages a receive; what is staged reaches the shared receive queue with one
 // ibv_post_srq_recv at the next poll() (or once VerbsSrq::kBatch are waiting), as do the receives
 // that write-with-immediates consumed, which poll() gives back itself.
@@ -66,13 +73,19 @@ class VerbsNic final : public Nic {
   Status post_send(NicPeer peer, const void* buf, size_t len, void* desc, uint32_t imm,
                    uint64_t ctx, bool inline_ok) override;
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override;
+  void flush_posts() override;
   int poll(Completion* out, int max) override;
+
+  static constexpr int kMaxStagedSends = 32;  // staged beyond this, the stage is flushed first
+  static constexpr int kSignalEvery = 16;     // in a longer chain, every 16th request is signaled
 
   // For tests and diagnostics.
   const NicLimits& limits() const { return limits_; }
   uint32_t sends_in_flight() const { return nic_sends_; }
   int receives_posted() const { return srq_->posted(); }
   uint64_t receive_doorbells() const { return srq_->doorbells(); }
+  uint64_t send_doorbells() const { return send_doorbells_; }      // ibv_post_send calls
+  uint64_t send_completions() const { return send_completions_; }  // send-queue CQEs polled
   int gid_index() const { return port_.gid_index; }
   uint32_t qps_per_connection() const { return qps_per_connection_; }
   // QPs of the peer's current connection in use (0 until complete_connect), and the work requests
@@ -102,7 +115,12 @@ class VerbsNic final : public Nic {
   // A QP of the peer's connection that can take a send WR now (QP 0 when spread is false, else the
   // next of the active ones in turn, skipping full ones); else the reason (kAgain / kTransport).
   Status sendable(NicPeer peer, size_t len, bool spread, VerbsQp** qp);
+  // Stages wr (its one sge copied) for qp; flush_posts() posts it.
   Status post(NicPeer peer, VerbsQp* qp, ibv_send_wr* wr, uint64_t ctx);
+  // A chain ibv_post_send refused from `bad` on: those requests come back as failed completions,
+  // and the connection fails (what was posted ahead of them may have no signaled request after it:
+  // the QP's flush reports it).
+  void refused_chain(NicPeer peer, VerbsQp* qp, ibv_send_wr* bad, int rc);
   void retire(Peer& p);
   void reap_retired(Peer& p);
   VerbsQp* find_qp(uint32_t peer, uint16_t gen);
@@ -128,7 +146,19 @@ class VerbsNic final : public Nic {
   std::unique_ptr<VerbsMemory> memory_;
   std::vector<std::unique_ptr<Peer>> peers_;
 
-  uint32_t nic_sends_ = 0;  // send WRs posted whose completion has not been polled yet
+  uint32_t nic_sends_ = 0;  // send WRs posted (or staged) whose completion has not been polled yet
+  // Send WRs staged since the last flush_posts(), in posting order.
+  struct StagedSend {
+    ibv_send_wr wr;
+    ibv_sge sge;
+    VerbsQp* qp;
+    NicPeer peer;
+    bool linked;  // taken into its QP's chain by the running flush
+  };
+  std::array<StagedSend, kMaxStagedSends> staged_{};
+  int staged_count_ = 0;
+  uint64_t send_doorbells_ = 0;
+  uint64_t send_completions_ = 0;
   // Completions produced beyond what a poll() call could return; fixed capacity (see open()).
   std::vector<Completion> pending_;
   size_t pending_head_ = 0;

@@ -80,6 +80,7 @@ class VerbsQp {
   uint32_t head() const { return head_; }
   void push(uint64_t ctx) { ring_[tail_++ & mask_] = ctx; }
   uint64_t pop() { return ring_[head_++ & mask_]; }
+  uint64_t take_last() { return ring_[--tail_ & mask_]; }  // a request pushed but never posted
 
  private:
   explicit VerbsQp(const VerbsApi& api) : api_(api) {}
