@@ -110,10 +110,11 @@ Bytes remote_region(int nics, uint64_t len) {
   return r.encode();
 }
 
-Bytes hello(const Bytes& address, std::vector<Bytes> blobs) {
+Bytes hello(const Bytes& address, std::vector<Bytes> blobs, int traffic_class = -1) {
   HelloMsg m;
   m.id_for_receiver = 3;
   m.epoch = 1;
+  m.traffic_class = traffic_class;
   m.address = address;
   m.blobs = std::move(blobs);
   return must(encode_hello(m));
@@ -133,7 +134,7 @@ Seeds all_seeds() {
   s["remote_region/seed-16nics"] = remote_region(16, 64);
 
   const Bytes h_fabric = hello(fabric2, {Bytes(), Bytes()});
-  const Bytes h_verbs = hello(verbs1, {connect_blob()});
+  const Bytes h_verbs = hello(verbs1, {connect_blob()}, 106);  // a connection of traffic class 106
   s["control_messages/seed-hello-fabric"] = h_fabric;
   s["control_messages/seed-hello-verbs"] = h_verbs;
   s["control_messages/seed-bye"] = encode_bye();
