@@ -88,11 +88,11 @@ void NicGroup::linger() {
   }
 }
 
-// Polls every NIC once and handles what completed; whether anything did.
 void NicGroup::flush_nic_posts() {
   for (auto& nic : nics_) nic->flush_posts();
 }
 
+// Polls every NIC once and handles what completed; whether anything did.
 bool NicGroup::poll_nics() {
   bool any = false;
   for (size_t k = 0; k < nics_.size(); k++) {

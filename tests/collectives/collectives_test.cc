@@ -47,8 +47,16 @@ int run_peer(int argc, char** argv) {
       ch.send_str(std::string("communicator: ") + c.status().message());
       return 3;
     }
+    // Called past the barrier that ends the round before the death. A survivor tells rank 0 it
+    // got there; the victim asks to die. Rank 0 kills it only once every survivor is past that
+    // barrier: the victim leaves it first, before its own barrier writes are surely taken in, and
+    // a rank still inside it saw the barrier fail instead of the dispatch (shm, W = 8, 1 run in
+    // about 20 under load).
     auto die = [&] {
-      if (rank != W - 1) return;
+      if (rank != W - 1) {
+        ch.send_str("passed");
+        return;
+      }
       ch.send_str("die");
       for (;;) pause();  // killed by rank 0
     };
@@ -89,6 +97,8 @@ class CollectivesTest : public ::testing::TestWithParam<Param> {
       }
       auto kill_victim = [&] {
         std::string m;
+        for (int r = 1; r < W - 1; r++)
+          ASSERT_TRUE(ranks[r - 1]->channel().recv_str(&m, 60000) && m == "passed") << "rank " << r << ": " << m;
         ASSERT_TRUE(ranks.back()->channel().recv_str(&m, 60000) && m == "die") << m;
         ranks.back()->kill();
         ranks.back()->wait_exit(5000);
