@@ -62,6 +62,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   c.token = fdp.ConsumeIntegralInRange<uint64_t>(1, UINT64_MAX);
   c.sender_comm_id = fdp.ConsumeIntegralInRange<uint32_t>(1, kMaxCommId);
   c.fifo = make_region(fdp, kFifoBytes);
+  c.traffic_class = fdp.ConsumeIntegralInRange<int>(-1, 255);
   c.reply_address = fdp.ConsumeBytes<uint8_t>(fdp.ConsumeIntegralInRange<size_t>(0, 200));
   auto cn = encode_connect(c, out);
   FUZZ_CHECK(cn.ok());

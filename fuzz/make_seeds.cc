@@ -187,6 +187,7 @@ Seeds all_seeds() {
   c.fifo = must(RemoteRegion::decode(remote_region(2, plugin::kFifoBytes)));
   s["plugin_messages/seed-connect"] = Bytes(msg, msg + must(plugin::encode_connect(c, msg)));
   c.reply_address = efa4;
+  c.traffic_class = 106;
   s["plugin_messages/seed-connect-bootstrap"] = Bytes(msg, msg + must(plugin::encode_connect(c, msg)));
   plugin::AcceptMsg a;
   a.token = 77;

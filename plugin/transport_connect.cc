@@ -428,6 +428,7 @@ Status connect(int dev, void* handle, void** send_comm, int traffic_class) {
     m.token = pc->token;
     m.sender_comm_id = id;
     m.fifo = c->mrs[0].remote();
+    m.traffic_class = traffic_class;  // through a bootstrap handle, the listener's data peer takes it
     pc->bootstrap = h.bootstrap;
     if (h.bootstrap) m.reply_address = e.address(d->group);  // the listener connects back here
     auto len = encode_connect(m, pc->msg);
@@ -536,11 +537,18 @@ Status accept(void* listen_comm, void** recv_comm) {
     in = std::move(l->queue.front());
     l->queue.pop_front();
   }
-  // The peer data moves with: the sender itself when its CONNECT came to this device's engine;
-  // through a bootstrap handle, a connection from this device to the address the sender gave.
+  // The peer data moves with: the sender itself when its CONNECT came to this device's engine
+  // (its hello gave that peer the sender's traffic class); through a bootstrap handle, a
+  // connection from this device to the address the sender gave, in the class the sender asked for
+  // (the sender's data peer is the one this connection makes there: it takes the class too).
   PeerId peer = in.from;
   if (!in.msg.reply_address.empty()) {
-    auto p = peer_for(d, in.msg.reply_address);
+    if (in.msg.traffic_class >= 0)
+      PONTE_NET_INFO("accept: a CONNECT through a bootstrap group: connecting back to the sender's device in "
+                     "traffic class %d", in.msg.traffic_class);
+    else
+      PONTE_NET_INFO("accept: a CONNECT through a bootstrap group: connecting back to the sender's device");
+    auto p = peer_for(d, in.msg.reply_address, in.msg.traffic_class);
     if (!p.ok()) {
       reject(in.via, in.from, in.msg.token, RejectReason::kNoResources);
       return p.status();

@@ -11,6 +11,8 @@ static_assert(std::endian::native == std::endian::little,
 
 namespace {
 
+constexpr uint16_t kNoTrafficClass = 0xffff;  // CONNECT: the sender asked for no class
+
 template <typename T>
 void put(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof(T));
@@ -112,8 +114,10 @@ void set_handle_stage(uint8_t* handle, uint64_t token) {
 
 Result<size_t> encode_connect(const ConnectMsg& m, uint8_t* out) {
   const auto region = m.fifo.encode();
-  const size_t len = 4 + 4 + 8 + 8 + 4 + 2 + region.size() + 2 + m.reply_address.size();
+  const size_t len = 4 + 4 + 8 + 8 + 4 + 2 + region.size() + 2 + 2 + m.reply_address.size();
   if (len > kMaxMsgSize) return Status(Code::kInternal, "CONNECT: %zu bytes is too long", len);
+  if (m.traffic_class < -1 || m.traffic_class > 255)
+    return Status(Code::kInternal, "CONNECT: traffic class %d is not 0..255 or none", m.traffic_class);
   put_header(out, 'C', len);
   put<uint32_t>(out + 4, m.listen_id);
   put<uint64_t>(out + 8, m.listen_nonce);
@@ -122,6 +126,8 @@ Result<size_t> encode_connect(const ConnectMsg& m, uint8_t* out) {
   put<uint16_t>(out + 28, static_cast<uint16_t>(region.size()));
   std::memcpy(out + 30, region.data(), region.size());
   uint8_t* a = out + 30 + region.size();
+  put<uint16_t>(a, m.traffic_class < 0 ? kNoTrafficClass : static_cast<uint16_t>(m.traffic_class));
+  a += 2;
   put<uint16_t>(a, static_cast<uint16_t>(m.reply_address.size()));
   if (!m.reply_address.empty()) std::memcpy(a + 2, m.reply_address.data(), m.reply_address.size());
   return len;
@@ -178,7 +184,7 @@ Result<MsgKind> peek_kind(std::span<const uint8_t> b) {
 }
 
 Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
-  PONTE_RETURN_IF_ERROR(check_message(b, 'C', 32, "CONNECT"));
+  PONTE_RETURN_IF_ERROR(check_message(b, 'C', 34, "CONNECT"));
   const size_t len = get<uint16_t>(b.data() + 2);
   ConnectMsg m;
   m.listen_id = get<uint32_t>(b.data() + 4);
@@ -186,14 +192,18 @@ Result<ConnectMsg> decode_connect(std::span<const uint8_t> b) {
   m.token = get<uint64_t>(b.data() + 16);
   m.sender_comm_id = get<uint32_t>(b.data() + 24);
   const size_t rlen = get<uint16_t>(b.data() + 28);
-  if (30 + rlen + 2 > len)
+  if (30 + rlen + 4 > len)
     return Status(Code::kInvalidArgument, "CONNECT: region length %zu overruns %zu bytes", rlen,
                   len);
-  const size_t alen = get<uint16_t>(b.data() + 30 + rlen);
-  if (30 + rlen + 2 + alen != len)
+  const uint16_t tc = get<uint16_t>(b.data() + 30 + rlen);
+  if (tc > 255 && tc != kNoTrafficClass)
+    return Status(Code::kInvalidArgument, "CONNECT: traffic class %u is not 0..255 or none", tc);
+  m.traffic_class = tc == kNoTrafficClass ? -1 : tc;
+  const size_t alen = get<uint16_t>(b.data() + 32 + rlen);
+  if (30 + rlen + 4 + alen != len)
     return Status(Code::kInvalidArgument, "CONNECT: lengths %zu + %zu do not fill %zu bytes",
                   rlen, alen, len);
-  m.reply_address.assign(b.begin() + static_cast<std::ptrdiff_t>(32 + rlen),
+  m.reply_address.assign(b.begin() + static_cast<std::ptrdiff_t>(34 + rlen),
                          b.begin() + static_cast<std::ptrdiff_t>(len));
   if (m.sender_comm_id == 0 || m.sender_comm_id > kMaxCommId || m.token == 0)
     return Status(Code::kInvalidArgument, "CONNECT: bad comm id %u or token", m.sender_comm_id);

@@ -12,7 +12,7 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 2;  // 2: CTS elements may ask for inline data
+constexpr uint8_t kWireVersion = 3;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -85,8 +85,10 @@ void set_handle_stage(uint8_t* handle, uint64_t token);
 // Connection messages, sent two-sided through the engine (engine.send).
 //   header: u8 version, u8 kind, u16 length (whole message)
 //   CONNECT 'C' (sender -> listener): u32 listen id, u64 listen nonce, u64 connect token,
-//       u32 sender comm id, u16 fifo region length, fifo RemoteRegion bytes, u16 reply address
-//       length, the sender device's group address (bootstrap handles only; else length 0)
+//       u32 sender comm id, u16 fifo region length, fifo RemoteRegion bytes, u16 traffic class
+//       (0..255, 0xffff: none; the listener connects back in it through a bootstrap handle),
+//       u16 reply address length, the sender device's group address (bootstrap handles only;
+//       else length 0)
 //   ACCEPT  'A' (listener -> sender): u64 connect token, u32 receiver comm id, u32 reserved (0),
 //       u16 record region length, record RemoteRegion bytes
 //   REJECT  'R' (listener -> sender): u64 connect token, u32 reason (RejectReason)
@@ -111,6 +113,7 @@ struct ConnectMsg {
   uint64_t token = 0;
   uint32_t sender_comm_id = 0;
   RemoteRegion fifo;
+  int traffic_class = -1;               // the sender comm's class (-1: none); see reply_address
   std::vector<uint8_t> reply_address;  // empty unless the handle was a bootstrap one
   friend bool operator==(const ConnectMsg&, const ConnectMsg&) = default;
 };

@@ -777,6 +777,39 @@ TEST(PluginTrafficClass, EachCommunicatorsClassReachesItsConnections) {
   EXPECT_OK(bad->close_listen(listen));
 }
 
+// Through a bootstrap handle (a four-NIC device) the listener connects back to the sender's
+// device, and that connection carries the data: it must be in the communicator's class too. The
+// CONNECT carries the class (wire version 3); the listener says which class it connects back in.
+TEST(PluginTrafficClass, ABootstrapConnectionIsMadeInTheCommunicatorsClass) {
+  ASSERT_NE(lib().v11, nullptr) << lib().error;
+  Net marked(lib().v11, 106);
+  ASSERT_OK(marked.init_result);
+  VDeviceProps vp{};
+  vp.ndevs = 4;
+  int vdev = -1;
+  ASSERT_OK(marked->make_vdevice(&vdev, &vp));
+  Pair p;
+  ASSERT_OK(connect_pair(marked, vdev, vdev, &p));
+  EXPECT_TRUE(log_record().contains("connecting back to the sender's device in traffic class 106"))
+      << "the listener connected back without the sender's class";
+  Buffer src(marked, p.send, 70000), dst(marked, p.recv, 70000);
+  fill(src.data(), 70000, 21);
+  void* data[1] = {dst.data()};
+  size_t sizes[1] = {70000};
+  int tags[1] = {0};
+  void* mhs[1] = {dst.mh()};
+  void* rreq = nullptr;
+  void* sreq = nullptr;
+  ASSERT_OK(post_recv(marked, p.recv, 1, data, sizes, tags, mhs, &rreq));
+  ASSERT_OK(post_send(marked, p.send, src.data(), 70000, 0, src.mh(), &sreq));
+  int s = 0, r[8] = {0};
+  ASSERT_OK(wait_request(marked, sreq, &s));
+  ASSERT_OK(wait_request(marked, rreq, r));
+  EXPECT_EQ(r[0], 70000);
+  EXPECT_EQ(mismatch(dst.data(), 70000, 21), SIZE_MAX);
+  close_pair(marked, &p);
+}
+
 TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
   ASSERT_NE(lib().v11, nullptr) << lib().error;
   NetV11* t = lib().v11;

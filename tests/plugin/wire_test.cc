@@ -90,14 +90,30 @@ TEST(PluginWire, ConnectionMessagesRoundTrip) {
   EXPECT_EQ(dc->fifo.nics, 4);
   EXPECT_EQ(dc->fifo.rkey[3], 0x1003u);
   EXPECT_TRUE(dc->reply_address.empty());
-  // With a reply address (bootstrap handles): it comes back whole.
+  EXPECT_EQ(dc->traffic_class, -1) << "no class asked for is none, not class 0";
+  // With a reply address (bootstrap handles) and a traffic class: both come back whole.
   c.reply_address.assign(170, 0x5a);
-  auto nb = encode_connect(c, buf);
-  ASSERT_TRUE(nb.ok());
-  auto db = decode_connect({buf, nb.value()});
-  ASSERT_TRUE(db.ok()) << db.status().message();
-  EXPECT_EQ(db->reply_address, c.reply_address);
-  EXPECT_FALSE(decode_connect({buf, nb.value() - 1}).ok());
+  for (int tc : {0, 106, 255}) {
+    c.traffic_class = tc;
+    auto nb = encode_connect(c, buf);
+    ASSERT_TRUE(nb.ok());
+    auto db = decode_connect({buf, nb.value()});
+    ASSERT_TRUE(db.ok()) << db.status().message();
+    EXPECT_EQ(db->reply_address, c.reply_address);
+    EXPECT_EQ(db->traffic_class, tc);
+    EXPECT_FALSE(decode_connect({buf, nb.value() - 1}).ok());
+  }
+  // A class outside 0..255 is neither encoded nor accepted on the wire (0xffff alone means none).
+  c.traffic_class = 256;
+  EXPECT_FALSE(encode_connect(c, buf).ok());
+  c.traffic_class = 106;
+  auto nt = encode_connect(c, buf);
+  ASSERT_TRUE(nt.ok());
+  const size_t tc_at = 30 + c.fifo.encode().size();
+  ASSERT_EQ(buf[tc_at], 106);
+  buf[tc_at + 1] = 1;  // class 0x016a
+  EXPECT_FALSE(decode_connect({buf, nt.value()}).ok());
+  c.traffic_class = -1;
   c.reply_address.clear();
   n = encode_connect(c, buf);
   ASSERT_TRUE(n.ok());
