@@ -97,6 +97,7 @@ Result<Config> Config::from_env() {
   c.flush_host = flush_host != 0;
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_NET_INLINE", 4096, &c.net_inline));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_DROP_RECVS", 1u << 20, &c.fault_drop_recvs));
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_FAILED_CONNECTS", 1000, &c.fault_failed_connects));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_BUSY_ACKS", 1u << 20, &c.fault_busy_acks));
   if (const char* v = env("PONTE_STRIPE_MIN")) {
     auto r = parse_size(v);

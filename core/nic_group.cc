@@ -35,6 +35,7 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
   for (auto& n : nics_) n = std::make_unique<WatchedNic>(std::move(n), &guard_);
   pollers_post_ = pollers_may_post(nics_);
   fault_drops_left_ = cfg.fault_drop_recvs;
+  fault_connects_left_ = cfg.fault_failed_connects;
   free_slots_.reserve(slots_.size());
   for (uint32_t i = static_cast<uint32_t>(slots_.size()); i-- > 0;) free_slots_.push_back(i);
 }

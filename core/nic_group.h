@@ -164,6 +164,7 @@ class NicGroup {
     std::atomic<uint32_t> rebuilds{0};  // connection rebuilds so far (Engine::peer_epoch)
     uint32_t epoch = 1;         // our handshake round: bumped to rebuild failed connections
     uint32_t remote_epoch = 0;  // the peer's latest round seen
+    uint32_t failed_rounds = 0;  // rounds in a row whose backend connect failed here (kMaxFailedRounds)
     ControlSocket sock[2];
     bool sock_hello_sent[2] = {false, false};
     std::chrono::steady_clock::time_point last_heard;      // its last control message (liveness)
@@ -239,6 +240,7 @@ class NicGroup {
   Status answer_challenge(PeerId p);
   Status send_hello(PeerId p, int which);
   void start_reconnect(PeerId p, const char* why);
+  Status propose_round(PeerId p);  // the next round, with fresh backend peers: our hello proposes it
   void reset_backend_peer(PeerId p);  // drops the peer from every NIC (re-added by attach_backend)
   void learn_address(Peer& p, const GroupAddress& addr);
   Status attach_backend(PeerId p);
@@ -325,6 +327,7 @@ class NicGroup {
   std::chrono::steady_clock::time_point last_timeout_scan_;
   uint64_t dropped_imms_ = 0;
   uint32_t fault_drops_left_ = 0;  // PONTE_FAULT_DROP_RECVS: messages still to lose (worker only)
+  uint32_t fault_connects_left_ = 0;  // PONTE_FAULT_FAILED_CONNECTS: rounds still to fail (worker only)
   std::chrono::milliseconds ping_after_, silence_limit_;  // PONTE_TIMEOUT_MS / 4, PONTE_TIMEOUT_MS
 
   // The watchdog's view (core/watchdog.h).

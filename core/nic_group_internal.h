@@ -38,6 +38,9 @@ inline constexpr uint32_t kPollerBackoffUs = 50;
 inline constexpr uint32_t kPollerHoldUs = 200;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.
 inline constexpr uint32_t kSpinYieldAfterUs = 20;
+// A round whose backend connection fails on this side (on verbs: a new QP refused RTR or RTS) is
+// followed by a fresh round, at most this many in a row; then the peer is dead.
+inline constexpr uint32_t kMaxFailedRounds = 3;
 inline constexpr uint32_t kLingerMs = 250;  // orderly shutdown's bound (and PONTE_TIMEOUT_MS's)
 inline constexpr uint32_t kLingerIdleMs = 2000;  // orderly shutdown: posted work may go this long without a completion
 

@@ -59,6 +59,24 @@ Result<std::unique_ptr<VerbsQp>> VerbsQp::create(const VerbsApi& api, ibv_pd* pd
   return q;
 }
 
+// The QP's state as the provider reports it, for error messages.
+const char* VerbsQp::state_name() const {
+  if (api_.query_qp == nullptr) return "in an unknown state";
+  ibv_qp_attr attr{};
+  ibv_qp_init_attr init{};
+  if (api_.query_qp(qp_, &attr, IBV_QP_STATE, &init) != 0) return "in an unknown state (ibv_query_qp failed)";
+  switch (attr.qp_state) {
+    case IBV_QPS_RESET: return "in RESET";
+    case IBV_QPS_INIT: return "in INIT";
+    case IBV_QPS_RTR: return "in RTR";
+    case IBV_QPS_RTS: return "in RTS";
+    case IBV_QPS_SQD: return "in SQD";
+    case IBV_QPS_SQE: return "in SQE";
+    case IBV_QPS_ERR: return "in ERR";
+    default: return "in an unknown state";
+  }
+}
+
 VerbsQp::~VerbsQp() {
   if (qp_ != nullptr) api_.destroy_qp(qp_);
 }
@@ -114,8 +132,8 @@ Status VerbsQp::connect(const ConnectBlob& remote, size_t index, uint8_t traffic
                       IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                           IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
   if (rc != 0) {
-    return Status(Code::kTransport, "ibv_modify_qp(qpn %u, RTS) failed: %s", qp_->qp_num,
-                  strerror(rc));
+    return Status(Code::kTransport, "ibv_modify_qp(qpn %u -> %u, RTS) failed: %s (the QP is %s)", qp_->qp_num,
+                  remote.qpn[index], strerror(rc), state_name());
   }
   state_ = State::kRts;
   return Status::Ok();

@@ -58,6 +58,7 @@ class VerbsQp {
   Status connect(const ConnectBlob& remote, size_t index, uint8_t traffic_class);
   // Moves the QP to ERR so that the provider flushes every outstanding WR as a completion.
   void force_error();
+  const char* state_name() const;  // "in ERR", ...: the provider's view, for error messages
   // Asks the device whether a connected QP is still in RTS (a responder-side failure, such as a
   // peer writing with a bad rkey, moves it to ERR without any completion here). Marks it kError
   // when not.

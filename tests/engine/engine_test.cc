@@ -209,7 +209,8 @@ int run_peer(int argc, char** argv) {
 // The peer process of these tests: its address and region, then commands (tests/common/region_peer.h).
 class Peer : public RegionPeer {
  public:
-  Peer(const Setup& s, int nics) : RegionPeer({s.name, std::to_string(nics)}) {}
+  Peer(const Setup& s, int nics, const std::vector<std::string>& env = {})
+      : RegionPeer({s.name, std::to_string(nics)}, env) {}
 };
 
 class EngineTest : public ::testing::TestWithParam<Setup> {
@@ -217,14 +218,8 @@ class EngineTest : public ::testing::TestWithParam<Setup> {
   // Starts `peers` peer processes and this side's engine with `nics` NICs, connected to each.
   void start(int peers = 1, int nics = 1) {
     for (int i = 0; i < peers; i++) peers_.push_back(std::make_unique<Peer>(GetParam(), nics));
-    auto e = make_engine(GetParam(), 'A', nics, 5000, poller_sleep_us_);
-    ASSERT_TRUE(e.ok()) << e.status().message();
-    eng_ = std::move(e.value());
-    src_ = static_cast<uint8_t*>(aligned_alloc(4096, kRegion));
-    ASSERT_NE(src_, nullptr);
-    auto mr = eng_->register_memory(0, src_, kRegion);
-    ASSERT_TRUE(mr.ok()) << mr.status().message();
-    mr_ = std::move(mr.value());
+    start_engine(nics);
+    if (HasFatalFailure()) return;
     for (auto& p : peers_) {
       std::string err;
       ASSERT_TRUE(p->start(&err)) << err;
@@ -237,6 +232,17 @@ class EngineTest : public ::testing::TestWithParam<Setup> {
       while (!eng_->peer_ready(0, id) && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
       ASSERT_TRUE(eng_->peer_ready(0, id)) << "handshake with peer " << id << " did not complete";
     }
+  }
+  // This side alone: its engine with `nics` NICs and the registered source region.
+  void start_engine(int nics) {
+    auto e = make_engine(GetParam(), 'A', nics, 5000, poller_sleep_us_);
+    ASSERT_TRUE(e.ok()) << e.status().message();
+    eng_ = std::move(e.value());
+    src_ = static_cast<uint8_t*>(aligned_alloc(4096, kRegion));
+    ASSERT_NE(src_, nullptr);
+    auto mr = eng_->register_memory(0, src_, kRegion);
+    ASSERT_TRUE(mr.ok()) << mr.status().message();
+    mr_ = std::move(mr.value());
   }
   void TearDown() override {
     for (auto& p : peers_) p->cmd("exit", 5000);
@@ -829,6 +835,57 @@ TEST_P(EngineTest, BadKeyEndsTheWriteAndVerbsRecovers) {
   EXPECT_EQ(peers_[0]->cmd("expectw 31 4096 1"), "ok");
   EXPECT_TRUE(ok.wait(30s).ok()) << ok.status().message();
   EXPECT_EQ(peers_[0]->cmd("check 0 4096 90 0"), "ok");
+}
+
+// A handshake round whose backend connect fails on one side (on verbs: a new QP found in ERR
+// between RTR and RTS, seen on SoftRoCE) is followed by a fresh round; more than 3 failed rounds
+// in a row make the peer dead, with the reason, never a hang. PONTE_FAULT_FAILED_CONNECTS=N fails
+// the peer's first N rounds.
+TEST_P(EngineTest, ARoundThatFailsToConnectIsFollowedByAFreshOne) {
+  start_engine(1);
+  // Three failed rounds: the fourth connects, and data moves both ways.
+  peers_.push_back(std::make_unique<Peer>(GetParam(), 1, std::vector<std::string>{"PONTE_FAULT_FAILED_CONNECTS=3"}));
+  std::string err;
+  ASSERT_TRUE(peers_[0]->start(&err)) << err;
+  auto id = eng_->connect(0, peers_[0]->address());
+  ASSERT_TRUE(id.ok()) << id.status().message();
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (!(eng_->peer_ready(0, *id) && eng_->peer_epoch(0, *id) >= 3) && !eng_->peer_dead(0, *id) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_FALSE(eng_->peer_dead(0, *id)) << "three failed rounds made the peer dead";
+  ASSERT_TRUE(eng_->peer_ready(0, *id)) << "not ready after the failed rounds";
+  EXPECT_EQ(eng_->peer_epoch(0, *id), 3u) << "one rebuild per failed round";
+  fill(src_, 4096, 44);
+  Flag f;
+  ASSERT_TRUE(eng_->write_imm(0, *id, LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, 17, f.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expectw 17 4096 1"), "ok");
+  EXPECT_TRUE(f.wait(30s).ok()) << f.status().message();
+  EXPECT_EQ(peers_[0]->cmd("check 0 4096 44 0"), "ok");
+  peers_[0]->cmd("exit", 5000);
+  peers_.clear();
+  // Four: the peer gives up and closes; this side learns it is dead within the timeout. A write
+  // submitted meanwhile ends: it may land (the fault fails rounds whose connection did come up,
+  // and this side may have written over one), or fail with kPeerDead, or on verbs kTransport
+  // (it went out on a QP the peer had already replaced).
+  peers_.push_back(std::make_unique<Peer>(GetParam(), 1, std::vector<std::string>{"PONTE_FAULT_FAILED_CONNECTS=4"}));
+  ASSERT_TRUE(peers_[0]->start(&err)) << err;
+  auto dead = eng_->connect(0, peers_[0]->address());
+  ASSERT_TRUE(dead.ok()) << dead.status().message();
+  Flag w;
+  Status st = eng_->write(0, *dead, LocalSlice{&mr_, 0, 8}, peers_[0]->region(), 0, w.notify());
+  if (st.ok()) {
+    ASSERT_TRUE(w.wait(20s).code() != Code::kTimeout || w.done()) << "a write to a peer that gave up hung";
+    st = w.status();
+  }
+  EXPECT_TRUE(st.ok() || st.code() == Code::kPeerDead ||
+              (GetParam().backend == BackendChoice::kVerbs && st.code() == Code::kTransport))
+      << "a write to a peer that gave up: " << st.message();
+  deadline = std::chrono::steady_clock::now() + 20s;
+  while (!eng_->peer_dead(0, *dead) && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(eng_->peer_dead(0, *dead)) << "four failed rounds did not end the peer";
+  Flag after;
+  EXPECT_EQ(eng_->write(0, *dead, LocalSlice{&mr_, 0, 8}, peers_[0]->region(), 0, after.notify()).code(), Code::kPeerDead);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(setups()),
