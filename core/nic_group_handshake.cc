@@ -202,8 +202,9 @@ Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
       // The peer's side may well have: a fresh round replaces both, as for a transfer that
       // failed; after kMaxFailedRounds in a row, the peer is dead.
       if (++p.failed_rounds > kMaxFailedRounds) return st;
-      PONTE_LOG_WARN("group %d: peer %u: round %u did not connect (%s); trying round %u", index_, id, p.epoch,
-                     st.message(), std::max(p.epoch, p.remote_epoch) + 1);
+      PONTE_LOG_WARN("group %d: peer %u: round %u did not connect (%s; on the peer's hello of round %u, control "
+                     "connection %d); trying round %u", index_, id, p.epoch, st.message(), epoch, which,
+                     std::max(p.epoch, p.remote_epoch) + 1);
       p.rebuilds.fetch_add(1, std::memory_order_release);  // as for a round the peer proposes
       return propose_round(id);
     }
