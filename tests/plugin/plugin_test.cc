@@ -26,6 +26,31 @@ constexpr size_t kMiB = 1 << 20;
     EXPECT_EQ((expr), kSuccess) << #expr;     \
   } while (0)
 
+// One message of `size` bytes from send to recv (receive buffer of recv_size bytes), verified.
+void transfer_on(const Net& n, const Pair& p, size_t size, size_t recv_size, uint32_t seed, int tag = 7) {
+  Buffer src(n, p.send, size), dst(n, p.recv, recv_size);
+  ASSERT_OK(src.result);
+  ASSERT_OK(dst.result);
+  fill(src.data(), size, seed);
+  void* rreq = nullptr;
+  void* sreq = nullptr;
+  void* data[1] = {dst.data()};
+  size_t sizes[1] = {recv_size};
+  int tags[1] = {tag};
+  void* mhs[1] = {dst.mh()};
+  ASSERT_OK(post_recv(n, p.recv, 1, data, sizes, tags, mhs, &rreq));
+  ASSERT_OK(post_send(n, p.send, src.data(), size, tag, src.mh(), &sreq));
+  int ssize = -1, rsize[8] = {-1};
+  ASSERT_OK(wait_request(n, sreq, &ssize));
+  ASSERT_OK(wait_request(n, rreq, rsize));
+  EXPECT_EQ(ssize, static_cast<int>(size));
+  EXPECT_EQ(rsize[0], static_cast<int>(size)) << "test() must report the size sent";
+  EXPECT_EQ(mismatch(dst.data(), size, seed), SIZE_MAX) << size << " bytes";
+  if (recv_size > size) {
+    EXPECT_EQ(dst.data()[size], 0) << "wrote past the message";
+  }
+}
+
 class PluginTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -39,29 +64,8 @@ class PluginTest : public ::testing::Test {
   void TearDown() override { net_.reset(); }
   const Net& net() const { return *net_; }
 
-  // One message of `size` bytes from send to recv (receive buffer of recv_size bytes), verified.
   void transfer(const Pair& p, size_t size, size_t recv_size, uint32_t seed, int tag = 7) {
-    Buffer src(net(), p.send, size), dst(net(), p.recv, recv_size);
-    ASSERT_OK(src.result);
-    ASSERT_OK(dst.result);
-    fill(src.data(), size, seed);
-    void* rreq = nullptr;
-    void* sreq = nullptr;
-    void* data[1] = {dst.data()};
-    size_t sizes[1] = {recv_size};
-    int tags[1] = {tag};
-    void* mhs[1] = {dst.mh()};
-    ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
-    ASSERT_OK(post_send(net(), p.send, src.data(), size, tag, src.mh(), &sreq));
-    int ssize = -1, rsize[8] = {-1};
-    ASSERT_OK(wait_request(net(), sreq, &ssize));
-    ASSERT_OK(wait_request(net(), rreq, rsize));
-    EXPECT_EQ(ssize, static_cast<int>(size));
-    EXPECT_EQ(rsize[0], static_cast<int>(size)) << "test() must report the size sent";
-    EXPECT_EQ(mismatch(dst.data(), size, seed), SIZE_MAX) << size << " bytes";
-    if (recv_size > size) {
-      EXPECT_EQ(dst.data()[size], 0) << "wrote past the message";
-    }
+    transfer_on(net(), p, size, recv_size, seed, tag);
   }
 
   std::unique_ptr<Net> net_;
@@ -749,20 +753,7 @@ TEST(PluginTrafficClass, EachCommunicatorsClassReachesItsConnections) {
   for (Net* n : {&plain, &marked}) {
     Pair p;
     ASSERT_OK(connect_pair(*n, 0, 0, &p));
-    Buffer src(*n, p.send, 5000), dst(*n, p.recv, 5000);
-    fill(src.data(), 5000, 9);
-    void* data[1] = {dst.data()};
-    size_t sizes[1] = {5000};
-    int tags[1] = {0};
-    void* mhs[1] = {dst.mh()};
-    void* rreq = nullptr;
-    void* sreq = nullptr;
-    ASSERT_OK(post_recv(*n, p.recv, 1, data, sizes, tags, mhs, &rreq));
-    ASSERT_OK(post_send(*n, p.send, src.data(), 5000, 0, src.mh(), &sreq));
-    int s = 0, r[8] = {0};
-    ASSERT_OK(wait_request(*n, sreq, &s));
-    ASSERT_OK(wait_request(*n, rreq, r));
-    EXPECT_EQ(mismatch(dst.data(), 5000, 9), SIZE_MAX);
+    transfer_on(*n, p, 5000, 5000, 9, 0);
     close_pair(*n, &p);
   }
   Net bad(lib().v11, 300);
@@ -792,21 +783,7 @@ TEST(PluginTrafficClass, ABootstrapConnectionIsMadeInTheCommunicatorsClass) {
   ASSERT_OK(connect_pair(marked, vdev, vdev, &p));
   EXPECT_TRUE(log_record().contains("connecting back to the sender's device in traffic class 106"))
       << "the listener connected back without the sender's class";
-  Buffer src(marked, p.send, 70000), dst(marked, p.recv, 70000);
-  fill(src.data(), 70000, 21);
-  void* data[1] = {dst.data()};
-  size_t sizes[1] = {70000};
-  int tags[1] = {0};
-  void* mhs[1] = {dst.mh()};
-  void* rreq = nullptr;
-  void* sreq = nullptr;
-  ASSERT_OK(post_recv(marked, p.recv, 1, data, sizes, tags, mhs, &rreq));
-  ASSERT_OK(post_send(marked, p.send, src.data(), 70000, 0, src.mh(), &sreq));
-  int s = 0, r[8] = {0};
-  ASSERT_OK(wait_request(marked, sreq, &s));
-  ASSERT_OK(wait_request(marked, rreq, r));
-  EXPECT_EQ(r[0], 70000);
-  EXPECT_EQ(mismatch(dst.data(), 70000, 21), SIZE_MAX);
+  transfer_on(marked, p, 70000, 70000, 21, 0);
   close_pair(marked, &p);
 }
 
@@ -821,20 +798,7 @@ TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
     ASSERT_GT(a.devices(), 0);
     Pair p;
     ASSERT_OK(connect_pair(a, 0, 0, &p));
-    Buffer src(a, p.send, 1000), dst(a, p.recv, 1000);
-    fill(src.data(), 1000, 5);
-    void* data[1] = {dst.data()};
-    size_t sizes[1] = {1000};
-    int tags[1] = {0};
-    void* mhs[1] = {dst.mh()};
-    void* rreq = nullptr;
-    void* sreq = nullptr;
-    ASSERT_OK(post_recv(a, p.recv, 1, data, sizes, tags, mhs, &rreq));
-    ASSERT_OK(post_send(a, p.send, src.data(), 1000, 0, src.mh(), &sreq));
-    int s = 0, r[8] = {0};
-    ASSERT_OK(wait_request(a, sreq, &s));
-    ASSERT_OK(wait_request(a, rreq, r));
-    EXPECT_EQ(mismatch(dst.data(), 1000, 5), SIZE_MAX);
+    transfer_on(a, p, 1000, 1000, 5, 0);
     close_pair(a, &p);
   }  // both finalized: the engine closes; the next round probes again
 }
