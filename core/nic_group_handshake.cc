@@ -198,7 +198,7 @@ Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
       }
       if (st.ok()) continue;
       // Our side of this round did not connect (on SoftRoCE with 4 QPs per connection, a new QP
-      // was seen in ERR between RTR and RTS in about 1 of 12 runs of the bad-key rebuild test).
+      // was seen in ERR between RTR and RTS in the first round of some runs of the bad-key test).
       // The peer's side may well have: a fresh round replaces both, as for a transfer that
       // failed; after kMaxFailedRounds in a row, the peer is dead.
       if (++p.failed_rounds > kMaxFailedRounds) return st;
