@@ -205,7 +205,6 @@ Status NicGroup::handle_hello(PeerId id, int which, const HelloMsg& msg) {
       PONTE_LOG_WARN("group %d: peer %u: round %u did not connect (%s; on the peer's hello of round %u, control "
                      "connection %d); trying round %u", index_, id, p.epoch, st.message(), epoch, which,
                      std::max(p.epoch, p.remote_epoch) + 1);
-      p.rebuilds.fetch_add(1, std::memory_order_release);  // as for a round the peer proposes
       return propose_round(id);
     }
     p.backend_connected = true;
@@ -228,19 +227,18 @@ void NicGroup::reset_backend_peer(PeerId id) {
 void NicGroup::start_reconnect(PeerId id, const char* why) {
   Peer& p = peers_[id];
   if (p.state.load(std::memory_order_relaxed) != kReady) return;
-  int which = p.sock[0].open() ? 0 : (p.sock[1].open() ? 1 : -1);
-  if (which < 0) return peer_died(id, Code::kPeerDead, "no control connection left");
   PONTE_LOG_WARN("group %d: peer %u: %s; rebuilding the connection", index_, id, why);
   p.state.store(kConnecting, std::memory_order_release);
-  p.rebuilds.fetch_add(1, std::memory_order_release);  // after the state: see Engine::peer_epoch
   Status st = propose_round(id);
   if (!st.ok()) peer_died(id, Code::kPeerDead, st.message());
 }
 
-// The peer is kConnecting. New backend peers (on verbs, new QPs) and our hello for the next round
-// on a control connection that is open; the peer answers with its own (handle_hello).
+// The peer is kConnecting. Counts a rebuild (Engine::peer_epoch), then new backend peers (on
+// verbs, new QPs) and our hello for the next round on a control connection that is open; the peer
+// answers with its own (handle_hello).
 Status NicGroup::propose_round(PeerId id) {
   Peer& p = peers_[id];
+  p.rebuilds.fetch_add(1, std::memory_order_release);  // after the state: see Engine::peer_epoch
   int which = p.sock[0].open() ? 0 : (p.sock[1].open() ? 1 : -1);
   if (which < 0) return Status(Code::kPeerDead, "no control connection left");
   p.epoch = std::max(p.epoch, p.remote_epoch) + 1;  // the next round both ends will share

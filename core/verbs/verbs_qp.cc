@@ -59,13 +59,19 @@ Result<std::unique_ptr<VerbsQp>> VerbsQp::create(const VerbsApi& api, ibv_pd* pd
   return q;
 }
 
-// The QP's state as the provider reports it, for error messages.
-const char* VerbsQp::state_name() const {
-  if (api_.query_qp == nullptr) return "in an unknown state";
+// The QP's state as the device reports it; -1 when it cannot be read.
+int VerbsQp::device_state() const {
+  if (api_.query_qp == nullptr) return -1;
   ibv_qp_attr attr{};
   ibv_qp_init_attr init{};
-  if (api_.query_qp(qp_, &attr, IBV_QP_STATE, &init) != 0) return "in an unknown state (ibv_query_qp failed)";
-  switch (attr.qp_state) {
+  return api_.query_qp(qp_, &attr, IBV_QP_STATE, &init) == 0 ? static_cast<int>(attr.qp_state) : -1;
+}
+
+// The same, for error messages.
+const char* VerbsQp::state_name() const {
+  const int st = device_state();
+  if (st < 0) return "in an unknown state (ibv_query_qp failed)";
+  switch (static_cast<ibv_qp_state>(st)) {
     case IBV_QPS_RESET: return "in RESET";
     case IBV_QPS_INIT: return "in INIT";
     case IBV_QPS_RTR: return "in RTR";
@@ -149,12 +155,8 @@ void VerbsQp::force_error() {
 
 bool VerbsQp::still_connected() {
   if (state_ != State::kRts) return false;
-  ibv_qp_attr attr{};
-  ibv_qp_init_attr init{};
-  if (api_.query_qp(qp_, &attr, IBV_QP_STATE, &init) == 0 &&
-      (attr.qp_state == IBV_QPS_RTS || attr.qp_state == IBV_QPS_SQD)) {
-    return true;
-  }
+  const int st = device_state();
+  if (st == IBV_QPS_RTS || st == IBV_QPS_SQD) return true;
   set_error(IBV_WC_FATAL_ERR);
   return false;
 }

@@ -85,6 +85,7 @@ class VerbsQp {
 
  private:
   explicit VerbsQp(const VerbsApi& api) : api_(api) {}
+  int device_state() const;  // ibv_qp_state as ibv_query_qp reads it, or -1
 
   const VerbsApi& api_;
   QpParams params_;
