@@ -488,14 +488,18 @@ Status Communicator::all_to_all_v(BufferRef send, std::span<const size_t> send_c
       return im.engine->expect_imm(im.group, imm_value(kA2a.hdr, call, ch, static_cast<uint32_t>(r)), 1, im.peers[r], n);
     });
   }
-  memcpy(static_cast<uint8_t*>(recv.reg->data()) + recv.offset + roff[me],
-         static_cast<const uint8_t*>(send.reg->data()) + send.offset + soff[me], send_counts[me]);
   Status st = cts.wait(im, "all_to_all_v (clear-to-send)");
   std::vector<RemoteRegion> regions(W);
   if (st.ok())
     for (int r : im.others)
       st = first_error(st, send_after_cts(im, kA2a, ch, call, r, BufferRef{send.reg, send.offset + soff[r]},
                                           send_counts[r], &regions[r], sends));
+  // This rank's own share is copied while the writes are on the wire. Before them, the copy only
+  // overlapped the clear-to-send's round trip: ep-bench's 1 MiB per pair (shm, W 2, 400 calls) went
+  // from 0.60-0.78 of the engine's own writes' bandwidth to 0.88-1.08.
+  im.engine->start_submitted(im.group);
+  memcpy(static_cast<uint8_t*>(recv.reg->data()) + recv.offset + roff[me],
+         static_cast<const uint8_t*>(send.reg->data()) + send.offset + soff[me], send_counts[me]);
   // Length records come whether or not this rank could send (a dead peer's expectation fails).
   Status hs = hdrs.wait(im, "all_to_all_v (length records)");
   if (hs.ok())
