@@ -75,6 +75,13 @@ struct Communicator::Impl {
   uint32_t next_channel = 1;                  // EpBuffers take channels 1..14
   Status failed;                              // sticky: a peer died or a wait timed out
 
+  // Scratch of the calls (one thread drives a communicator), sized for the world at create, so
+  // that barrier, all_to_all_v, send and recv allocate nothing: flag sets and per-rank offsets.
+  FlagSet flags[4];
+  std::vector<size_t> send_off, recv_off;  // [world + 1]
+  std::vector<RemoteRegion> regions;       // [world]
+  void reserve_scratch();
+
   size_t ctrl_offset(Area a, uint32_t epoch, int r) const {
     return ((static_cast<size_t>(a) * coll::kEpochs + epoch % coll::kEpochs) * world + r) * kCtrlSlot;
   }

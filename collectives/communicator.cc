@@ -118,6 +118,15 @@ namespace {
 constexpr uint8_t kRecordVersion = 1;
 }  // namespace
 
+void Communicator::Impl::reserve_scratch() {
+  const size_t W = static_cast<size_t>(world);
+  flags[0].reserve(3 * W + 2);  // all_to_all_v's writes: CTS, data and length record per rank
+  for (int i = 1; i < 4; i++) flags[i].reserve(W + 1);
+  send_off.assign(W + 1, 0);
+  recv_off.assign(W + 1, 0);
+  regions.assign(W, RemoteRegion{});
+}
+
 // Exchange slot: u8 version, u8 'X', u16 payload length, u32 call (low bits), payload.
 Status Communicator::Impl::exchange(std::span<const uint8_t> mine, std::vector<std::vector<uint8_t>>* all) {
   PONTE_RETURN_IF_ERROR(failed);
@@ -300,6 +309,7 @@ Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, 
       im.others.push_back(r);
       im.other_peers.push_back(im.peers[r]);
     }
+  im.reserve_scratch();
   PONTE_RETURN_IF_ERROR(c->barrier());
   return c;
 }
@@ -311,7 +321,7 @@ Status Communicator::barrier() {
   // A rank leaves call n only after every rank entered it, so no rank is more than one call ahead of
   // any other: values of calls n and n + 4 never count together.
   const uint32_t call = static_cast<uint32_t>(im.barrier_calls++);
-  FlagSet fs(im.others.size() + 1);
+  FlagSet& fs = im.flags[1];
   fs.post(-1, [&](Notify n) {
     return im.engine->barrier(im.group, im.other_peers, imm_value(ImmKind::kBarrier, call, 0, static_cast<uint32_t>(im.rank)), n);
   });
@@ -464,7 +474,8 @@ Status Communicator::all_to_all_v(BufferRef send, std::span<const size_t> send_c
   if (send_counts.size() != W || recv_counts.size() != W)
     return Status(Code::kInvalidArgument, "all_to_all_v: %zu send and %zu recv counts for world %zu", send_counts.size(),
                   recv_counts.size(), W);
-  std::vector<size_t> soff(W + 1, 0), roff(W + 1, 0);
+  std::vector<size_t>& soff = im.send_off;
+  std::vector<size_t>& roff = im.recv_off;
   for (size_t r = 0; r < W; r++) {
     soff[r + 1] = soff[r] + send_counts[r];
     roff[r + 1] = roff[r] + recv_counts[r];
@@ -477,7 +488,7 @@ Status Communicator::all_to_all_v(BufferRef send, std::span<const size_t> send_c
                   send_counts[me], recv_counts[me]);
   const uint32_t call = static_cast<uint32_t>(im.a2a_calls++);
   const uint32_t ch = kChannelA2a;
-  FlagSet sends(3 * W + 2), cts(W + 1), hdrs(W + 1), data(W + 1);
+  FlagSet &sends = im.flags[0], &cts = im.flags[1], &hdrs = im.flags[2], &data = im.flags[3];
   // Clear-to-send to every source; expect every destination's, and every source's length record.
   for (int r : im.others) {
     post_cts(im, kA2a, ch, call, r, BufferRef{recv.reg, recv.offset + roff[r]}, recv_counts[r], sends);
@@ -489,7 +500,7 @@ Status Communicator::all_to_all_v(BufferRef send, std::span<const size_t> send_c
     });
   }
   Status st = cts.wait(im, "all_to_all_v (clear-to-send)");
-  std::vector<RemoteRegion> regions(W);
+  std::vector<RemoteRegion>& regions = im.regions;
   if (st.ok())
     for (int r : im.others)
       st = first_error(st, send_after_cts(im, kA2a, ch, call, r, BufferRef{send.reg, send.offset + soff[r]},
@@ -532,7 +543,7 @@ Status Communicator::send(int dst, BufferRef buf, size_t len) {
     return Status(Code::kInvalidArgument, "send: destination rank %d (this is rank %d of %d)", dst, im.rank, im.world);
   PONTE_RETURN_IF_ERROR(check_ref(buf, len, "send"));
   const uint32_t call = static_cast<uint32_t>(im.p2p_sent[dst]++);
-  FlagSet cts(1), sends(2);
+  FlagSet &cts = im.flags[1], &sends = im.flags[0];
   cts.post(dst, [&](Notify n) {
     return im.engine->expect_imm(im.group, imm_value(kP2p.cts, call, kChannelP2p, static_cast<uint32_t>(dst)), 1,
                                  im.peers[dst], n);
@@ -550,7 +561,7 @@ Status Communicator::recv(int src, BufferRef buf, size_t len, size_t* recv_len) 
     return Status(Code::kInvalidArgument, "recv: source rank %d (this is rank %d of %d)", src, im.rank, im.world);
   PONTE_RETURN_IF_ERROR(check_ref(buf, len, "recv"));
   const uint32_t call = static_cast<uint32_t>(im.p2p_recvd[src]++);
-  FlagSet sends(1), hdr(1), data(1);
+  FlagSet &sends = im.flags[0], &hdr = im.flags[1], &data = im.flags[2];
   post_cts(im, kP2p, kChannelP2p, call, src, buf, len, sends);
   hdr.post(src, [&](Notify n) {
     return im.engine->expect_imm(im.group, imm_value(kP2p.hdr, call, kChannelP2p, static_cast<uint32_t>(src)), 1,

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "collectives/ep_buffer.h"
+#include "tests/collectives/alloc_counter.h"
 #include "tests/collectives/scenarios.h"
 #include "tests/collectives/world.h"
 #include "tests/common/setups.h"
@@ -23,11 +24,85 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// Barrier, all_to_all_v of registered buffers, a ring of send/recv and an EpBuffer's dispatch and
+// combine, each round checked, rounds 3..5 counted: the calling thread allocates nothing in them.
+std::string steady_state_allocates_nothing(Communicator& c) {
+  const int W = c.world(), me = c.rank();
+  const size_t kPair = 4096;
+  std::vector<uint8_t> send(kPair * W), recv(kPair * W), sb(kPair), rb(kPair);
+  std::vector<size_t> counts(W, kPair);
+  auto sr = c.register_buffer(send.data(), send.size());
+  auto rr = c.register_buffer(recv.data(), recv.size());
+  auto sbr = c.register_buffer(sb.data(), sb.size());
+  auto rbr = c.register_buffer(rb.data(), rb.size());
+  CHECK_OR_RETURN(sr.ok() && rr.ok() && sbr.ok() && rbr.ok(), "register_buffer failed");
+  EpConfig cfg;
+  cfg.num_experts = 2 * W;
+  cfg.max_tokens = 16;
+  cfg.hidden = 64;
+  cfg.topk = 2;
+  cfg.dtype = DType::kFloat32;
+  auto ep = EpBuffer::create(c, cfg);
+  CHECK_OR_RETURN(ep.ok(), "EpBuffer: %s", ep.status().message());
+  const int T = cfg.max_tokens, H = cfg.hidden, L = (*ep)->local_experts();
+  std::vector<float> x(static_cast<size_t>(T) * H), out(x.size()), w(static_cast<size_t>(T) * 2, 0.5f);
+  std::vector<float> rx(static_cast<size_t>(L) * (*ep)->recv_rows_per_expert() * H);
+  std::vector<int64_t> idx(static_cast<size_t>(T) * 2);
+  std::vector<int32_t> cnt(L);
+  const int next = (me + 1) % W, prev = (me + W - 1) % W;
+  for (int round = 0; round < 6; round++) {
+    for (int r = 0; r < W; r++)
+      for (size_t i = 0; i < kPair; i++) send[r * kPair + i] = static_cast<uint8_t>(me * 31 + r * 7 + i + round);
+    for (size_t i = 0; i < kPair; i++) sb[i] = static_cast<uint8_t>(me * 5 + i + round);
+    for (int t = 0; t < T; t++) {
+      idx[2 * t] = (t + round + me) % cfg.num_experts;
+      idx[2 * t + 1] = (t * 3 + round + 1 + me) % cfg.num_experts;
+      for (int h = 0; h < H; h++) x[static_cast<size_t>(t) * H + h] = static_cast<float>(me * 1000 + t * 10 + h % 7);
+    }
+    size_t got = 0;
+    AllocCounter counter(round >= 3);
+    Status b = c.barrier();
+    Status a = c.all_to_all_v(BufferRef{&*sr, 0}, counts, BufferRef{&*rr, 0}, counts);
+    Status p = Status::Ok();
+    if (W > 1) {
+      auto do_send = [&] { return c.send(next, BufferRef{&*sbr, 0}, kPair); };
+      auto do_recv = [&] { return c.recv(prev, BufferRef{&*rbr, 0}, kPair, &got); };
+      p = me % 2 == 0 ? do_send() : do_recv();
+      if (p.ok()) p = me % 2 == 0 ? do_recv() : do_send();
+    }
+    EpRows xr{x.data(), static_cast<size_t>(T), static_cast<size_t>(H), DType::kFloat32};
+    EpRows rxr{rx.data(), rx.size() / H, static_cast<size_t>(H), DType::kFloat32};
+    EpRows outr{out.data(), static_cast<size_t>(T), static_cast<size_t>(H), DType::kFloat32};
+    auto h = (*ep)->dispatch(xr, idx, rxr, cnt);
+    Status e = h.ok() ? (*ep)->combine(*h, rxr, w, outr) : h.status();
+    const long allocs = counter.stop();
+    CHECK_OR_RETURN(b.ok(), "round %d: barrier: %s", round, b.message());
+    CHECK_OR_RETURN(a.ok(), "round %d: all_to_all_v: %s", round, a.message());
+    CHECK_OR_RETURN(p.ok(), "round %d: send/recv: %s", round, p.message());
+    CHECK_OR_RETURN(e.ok(), "round %d: dispatch/combine: %s", round, e.message());
+    for (int r = 0; r < W; r++)
+      for (size_t i = 0; i < kPair; i++)
+        CHECK_OR_RETURN(recv[r * kPair + i] == static_cast<uint8_t>(r * 31 + me * 7 + i + round),
+                        "round %d: all_to_all_v byte %zu from rank %d wrong", round, i, r);
+    if (W > 1)
+      for (size_t i = 0; i < kPair; i++)
+        CHECK_OR_RETURN(got == kPair && rb[i] == static_cast<uint8_t>(prev * 5 + i + round), "round %d: p2p byte %zu wrong",
+                        round, i);
+    // The experts return their input and the weights add up to 1: combine gives x back.
+    for (size_t i = 0; i < x.size(); i++)
+      CHECK_OR_RETURN(std::fabs(out[i] - x[i]) <= 1e-3f * (1 + std::fabs(x[i])), "round %d: combine element %zu: %g, expected %g",
+                      round, i, out[i], x[i]);
+    CHECK_OR_RETURN(allocs == 0, "round %d: the calls allocated %ld times on the calling thread", round, allocs);
+  }
+  return "";
+}
+
 // ------------------------------------------------------------------ ranks 1..W-1 (peer processes)
 
 std::string run_scenario(const std::string& name, Communicator& c, const std::function<void()>& before_dispatch) {
   if (name == "semantics") return semantics(c);
   if (name == "a2a") return a2a_and_p2p(c);
+  if (name == "no_alloc") return steady_state_allocates_nothing(c);
   if (name == "kill") return survive_death(c, before_dispatch);
   return "unknown scenario " + name;
 }
@@ -118,6 +193,7 @@ class CollectivesTest : public ::testing::TestWithParam<Param> {
 
 TEST_P(CollectivesTest, DispatchCombineSemantics) { run_world("semantics"); }
 TEST_P(CollectivesTest, AllToAllAndPointToPoint) { run_world("a2a"); }
+TEST_P(CollectivesTest, SteadyStateAllocatesNothing) { run_world("no_alloc"); }
 // A world of one has no rank to lose: this one runs for W >= 2 only.
 class CollectivesDeathTest : public CollectivesTest {};
 TEST_P(CollectivesDeathTest, RankKilledMidDispatch) { run_world("kill"); }
