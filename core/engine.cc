@@ -514,6 +514,11 @@ bool Engine::start_submitted(int group) {
   return g && g->start_submitted();
 }
 
+bool Engine::polled_here(int group) const {
+  NicGroup* g = impl_->group(group);
+  return g && g->polled_here();
+}
+
 bool Engine::polling_posts(int group) const {
   NicGroup* g = impl_->group(group);
   return g && g->pollers_post();

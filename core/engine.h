@@ -225,6 +225,11 @@ class Engine {
   // call, so that it is on the wire while the thread computes. Never blocks; false when it posted
   // nothing (nothing queued, the token busy, or pollers do not post here: shm's worker does).
   bool start_submitted(int group);
+  // Whether the calling thread is group's poller now: it called progress(group) within the last
+  // 200 us and did not call stop_polling since. A thread that waits for a stream of operations
+  // can call progress() again while this holds, even when the one it waits for is done already,
+  // so that the worker goes on leaving it the data path. False for an unknown group.
+  bool polled_here(int group) const;
   // Whether a thread in progress(group) posts what is submitted itself (tcp;ofi_rxm, verbs), or
   // only reaps while the worker posts (shm: see progress). Where it only reaps, each submission
   // wakes the sleeping worker, which can land on the polling thread's core: Python's waits then

@@ -106,6 +106,9 @@ class NicGroup {
   // progress() call; no reaping. Where pollers may not post (shm), or the token is busy: nothing.
   bool start_submitted();
   bool pollers_post() const { return pollers_post_; }  // progress() posts here (not on shm)
+  // The calling thread called progress() on this group within kPollerHoldUs and has not stopped
+  // polling since: it is the group's poller, and its submissions start at its next progress().
+  bool polled_here() const;
 
   // Peers.
   // The peer for a remote group: a live one with the same traffic class if there is one (it
@@ -212,7 +215,6 @@ class NicGroup {
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
   uint32_t poller_sleep(PassState& st) const;  // the next sleep while a thread polls (grows)
   bool poller_pass(bool reap);           // progress() and start_submitted(): one pass under the token
-  bool polled_here() const;              // this thread called progress() on this group last
   bool take_token();                     // try
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
   void release_token();

@@ -168,15 +168,6 @@ void RegionState::close() {
 // The GIL is released by the caller.
 constexpr auto kPollWindow = std::chrono::milliseconds(1);
 
-constexpr auto kPollHold = std::chrono::microseconds(200);  // the engine's own hold (kPollerHoldUs)
-thread_local EngineState* tls_polled = nullptr;
-thread_local Clock::time_point tls_polled_at;
-
-void note_polled(EngineState& es) {
-  tls_polled = &es;
-  tls_polled_at = Clock::now();
-}
-
 void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point end) {
   std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: just sleep
   if (!lock.owns_lock()) return;
@@ -195,31 +186,28 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
     if (passes == 16) idle_since = now;
     if (now - idle_since >= kPollWindow || now >= end) {
       eng->stop_polling(kGroup);
-      tls_polled = nullptr;
       return;
     }
   }
-  note_polled(es);
 }
 
-// A wait whose operation is done already: a thread that polled the group moments ago (a wait
-// that polled, or this) runs one more pass of the data path, so that it stays the group's poller
-// while it goes on waiting for a stream of operations. Otherwise the worker takes the data path
-// back and reaps while this thread posts at submit (start_submitted): two threads taking turns at
-// one endpoint and at two cores. A 64 KiB write stream at window 16 on tcp;ofi_rxm
-// (bench/py_overhead.py, best of 3-6) went from 0.68-0.71 of ponte-bench's rate to 1.0-1.7 (0.62
-// once): 94% of its waits found their operation done, did not poll, and the worker, seeing no
-// poller for 200 us, took the data path back. A thread that did not poll just now (it computed)
-// does not start polling here: the worker moves the data. Not on shm, where waits do not poll.
+// A wait whose operation is done already: a thread that is the group's poller (it polled moments
+// ago, in a wait: Engine::polled_here) runs one more pass of the data path, so that it stays the
+// poller while it goes on waiting for a stream of operations. Otherwise the worker takes the data
+// path back and reaps while this thread posts at submit (start_submitted): two threads taking
+// turns at one endpoint and at two cores. A 64 KiB write stream at window 16 on tcp;ofi_rxm
+// (bench/py_overhead.py, best of 3-6) went from 0.68-0.72 of ponte-bench's rate to 0.62-1.72
+// (seven of eleven runs 1.0 or more): 94% of its waits found their operation done, did not poll,
+// and the worker, seeing no poller for 200 us, took the data path back. A thread that did not
+// poll just now (it computed) does not start polling here: the worker moves the data. Not on shm,
+// where waits do not poll.
 void poll_once(EngineState& es) {
-  if (tls_polled != &es || Clock::now() - tls_polled_at > kPollHold) return;
-  pyb::gil_scoped_release nogil;
-  std::shared_lock lock(es.users, std::try_to_lock);
+  std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: nothing to do
   if (!lock.owns_lock()) return;
   Engine* eng = es.engine.get();
-  if (!eng || es.closing.load(std::memory_order_relaxed)) return;
+  if (!eng || es.closing.load(std::memory_order_relaxed) || !eng->polled_here(kGroup)) return;
+  pyb::gil_scoped_release nogil;
   eng->progress(kGroup);
-  note_polled(es);
 }
 
 // The Python handle of an OpState.

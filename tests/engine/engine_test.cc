@@ -710,6 +710,24 @@ TEST_P(EngineTest, StopPollingHandsTheDataPathBack) {
   // What waiters ask before they poll (Python's waits skip polling where it would only reap).
   EXPECT_EQ(eng_->polling_posts(0), pollers_post);
   EXPECT_FALSE(eng_->polling_posts(99)) << "an unknown group";
+  // Who is the poller (what a waiter asks before it polls again for a finished operation): a
+  // thread that called progress() moments ago, until it stops or 200 us pass; never another.
+  EXPECT_FALSE(eng_->polled_here(0)) << "before any progress() call";
+  bool after = false;  // a pass may outlast 200 us on a loaded host (TSan, the QEMU guest): tries
+  for (int i = 0; i < 100 && !after; i++) {
+    eng_->progress(0);
+    after = eng_->polled_here(0);
+  }
+  EXPECT_TRUE(after) << "right after progress()";
+  bool elsewhere = true;
+  std::thread([&] { elsewhere = eng_->polled_here(0); }).join();
+  EXPECT_FALSE(elsewhere) << "another thread is not the poller";
+  EXPECT_FALSE(eng_->polled_here(99)) << "an unknown group";
+  std::this_thread::sleep_for(1ms);
+  EXPECT_FALSE(eng_->polled_here(0)) << "1 ms after the last progress()";
+  eng_->progress(0);
+  eng_->stop_polling(0);
+  EXPECT_FALSE(eng_->polled_here(0)) << "after stop_polling";
   constexpr size_t kLen = 4096;
   constexpr int kTrials = 5;
   EXPECT_EQ(peers_[0]->cmd("fill 0 4096 37"), "ok");
