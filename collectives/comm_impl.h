@@ -76,7 +76,8 @@ struct Communicator::Impl {
   Status failed;                              // sticky: a peer died or a wait timed out
 
   // Scratch of the calls (one thread drives a communicator), sized for the world at create, so
-  // that barrier, all_to_all_v, send and recv allocate nothing: flag sets and per-rank offsets.
+  // that barrier, send, recv and all_to_all_v of registered buffers allocate nothing: flag sets
+  // and per-rank offsets. (all_to_all_v of raw pointers still registers them per call.)
   FlagSet flags[4];
   std::vector<size_t> send_off, recv_off;  // [world + 1]
   std::vector<RemoteRegion> regions;       // [world]
