@@ -3,7 +3,7 @@
 //
 //   plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]
 //                [--sizes 1k,..,64m] [--lat-sizes 8,..,64k] [--window 8] [--bytes 1g] [--iters N]
-//                [--lat-iters 1000] [--lat-depth 1] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]
+//                [--lat-iters 1000] [--lat-depth 1] [--lat-recv 0] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]
 //                [--engine-size 4m] [--no-engine] [--abi 11|10|9|8] [--timeout 60] [--json]
 //
 // Every run is two fresh processes (this binary started again), each loading one plugin (the
@@ -22,7 +22,9 @@
 // device A and side B on device B (and the engine's ends on the backend's devices A and B), as two
 // NICs of one host talk (default 0,0: one device talks to itself). --lat-depth N keeps N receives
 // posted on each side of the ping-pong (1: the next receive only, posted just before the answer;
-// NCCL's proxy keeps one posted per free step, up to 8, ahead of the data).
+// NCCL's proxy keeps one posted per free step, up to 8, ahead of the data). --lat-recv N posts each
+// ping-pong receive with an N-byte buffer (at least the message): NCCL posts whole step buffers
+// (64 KiB for its LL protocol) whatever it then sends into them.
 // The environment picks the provider for each plugin as it would under NCCL; the defaults here are
 // PONTE_BACKEND=fabric, PONTE_FABRIC_PROVIDER=tcp;ofi_rxm and FI_TCP_IFACE=lo (loopback only).
 #include <sys/resource.h>
@@ -60,6 +62,7 @@ struct Options {
   int warmup = -1;            // -1: max(2 x window, iters / 10)
   int lat_iters = 1000;
   int lat_depth = 1;  // --lat-depth N: receives kept posted on each side of the ping-pong
+  size_t lat_recv = 0;  // --lat-recv N: bytes posted per ping-pong receive (0: the message size)
   int repeat = 3;
   int nics = 1;
   int dev_a = 0, dev_b = 0;  // --devs A,B
@@ -113,7 +116,8 @@ std::vector<size_t> parse_sizes(const std::string& s) {
 constexpr const char* kUsage =
     "usage: plugin-bench [--plugin PATH] [--compare PATH] [--caller yield,spin] [--pass nccl|all]\n"
     "                    [--sizes LIST] [--lat-sizes LIST] [--window 8] [--bytes 1g] [--iters N]\n"
-    "                    [--warmup N] [--lat-iters 1000] [--lat-depth 1] [--repeat 3] [--nics 1] [--devs A,B] [--channels 1]\n"
+    "                    [--warmup N] [--lat-iters 1000] [--lat-depth 1] [--lat-recv 0] [--repeat 3]\n"
+    "                    [--nics 1] [--devs A,B] [--channels 1]\n"
     "                    [--engine-size 4m] [--abi 11|10|9|8] [--no-engine] [--timeout 60] [--json]\n";
 
 Options parse_options(int argc, char** argv, int first) {
@@ -146,6 +150,7 @@ Options parse_options(int argc, char** argv, int first) {
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--lat-iters") o.lat_iters = std::stoi(next());
     else if (a == "--lat-depth") o.lat_depth = std::stoi(next());
+    else if (a == "--lat-recv") o.lat_recv = parse_bytes(next());
     else if (a == "--repeat") o.repeat = std::stoi(next());
     else if (a == "--nics") o.nics = std::stoi(next());
     else if (a == "--devs") {
@@ -544,7 +549,7 @@ struct Side {
   void* post_recv(size_t size) {
     void* r = nullptr;
     void* data[1] = {rbuf};
-    size_t sizes[1] = {size};
+    size_t sizes[1] = {std::max(size, o.lat_recv)};
     int tags[1] = {0};
     void* mhs[1] = {rmhs[0]};
     while (!r) {
@@ -657,7 +662,7 @@ int run_side(bool a, const std::string& path, const std::string& caller, const O
   }
   size_t max_bw = 0, max_lat = 0;
   for (size_t z : o.sizes) max_bw = std::max(max_bw, z);
-  for (size_t z : o.lat_sizes) max_lat = std::max(max_lat, z);
+  for (size_t z : o.lat_sizes) max_lat = std::max(max_lat, std::max(z, o.lat_recv));
   s.slen = std::max(max_bw, max_lat);
   s.rlen = std::max({max_lat, max_bw,
                      std::min<size_t>(max_bw * static_cast<size_t>(o.window) * nch, 128u << 20)});
@@ -948,8 +953,9 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     std::fflush(stdout);
     return;
   }
-  std::printf("# caller %s: ping-pong latency (half a round trip, %d receive(s) kept posted on each side; "
-              "sprd = (worst - best) / best)\n", caller.c_str(), o.lat_depth);
+  std::printf("# caller %s: ping-pong latency (half a round trip, %d receive(s) kept posted on each side%s; "
+              "sprd = (worst - best) / best)\n", caller.c_str(), o.lat_depth,
+              o.lat_recv ? (", each of " + fmt_size(o.lat_recv) + " bytes").c_str() : "");
   std::printf("#%11s %7s %9s %6s", "size(B)", "count", "lat(us)", "sprd%");
   if (c) std::printf(" | %9s %6s | %6s", "cmp(us)", "sprd%", "ratio");
   std::printf("\n");
