@@ -141,9 +141,15 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   const size_t len = std::min<uint64_t>(size, c->elems[i].size);  // a larger send is truncated
   const MrEntry* m = nullptr;
   if (len > 0) PONTE_RETURN_IF_ERROR(check_mr(d, mhandle, data, len, &m));
-  const bool inl = c->elems[i].inline_data;
+  // The receiver offers the inline slot (kCtsInline: one buffer, in host memory); the sender takes
+  // it for a message of at most PONTE_NET_INLINE bytes from host memory: the data is copied behind
+  // the size record and both go in one write. Offered and not taken (a larger message, or one from
+  // GPU memory), the record still goes to the inline slot and the data into the buffer; the
+  // record's shard count tells the receiver which (wire.h).
+  const bool offered = c->elems[i].inline_data && c->head_n == 1;
+  const bool copy = offered && (len == 0 || (len <= global_config().net_inline && m->kind == MemKind::kHost));
   const size_t islot = c->head % kMaxRequests;
-  if (inl && c->inline_user[islot] >= 0 &&
+  if (copy && c->inline_user[islot] >= 0 &&
       c->reqs[c->inline_user[islot]].pending.load(std::memory_order_acquire) != 0)
     return Status::Ok();  // the slot's previous inline write is still being sent
 
@@ -154,22 +160,13 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   r->dst = c->regions[i];
   r->record_unsubmitted = false;
   r->record_imm = imm_value(true, c->remote_comm_id, c->head);
-  // Where the size record and the data go: the record into its record slot and the data into
-  // the receive buffer, or (inline) both into the request's inline slot. Inline from host memory,
-  // the data is copied behind the record and goes in the same write; from GPU memory (no CPU
-  // copy here) it is written there apart, as a shard, and the record after it.
-  const bool copy = inl && (len == 0 || m->kind == MemKind::kHost);
   SizeRecord rec;
   rec.size = len;
   rec.shards = len > 0 && !copy ? e.imms_per_write(d->group, c->peer, len) : 0;
   rec.request_number = static_cast<uint32_t>(c->head);
-  if (inl) {
-    r->record_src_offset = static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes;
-    r->record_dst_offset = inline_slot_offset(c->head);
-  } else {
-    r->record_src_offset = static_cast<size_t>(r->index) * kRecordBytes;
-    r->record_dst_offset = record_offset(c->head, i);
-  }
+  r->record_src_offset = copy ? static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes
+                              : static_cast<size_t>(r->index) * kRecordBytes;
+  r->record_dst_offset = offered ? inline_slot_offset(c->head) : record_offset(c->head, i);
   r->record_len = kRecordBytes;
   encode_record(rec, c->outbox.ptr + r->record_src_offset);
   if (copy && len > 0) {
@@ -182,10 +179,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
     if (!start_op(c, r)) return refusal(c);
     hold(r, m);
-    // Into the receive buffer, or (inline from GPU memory) behind the record in the inline slot.
-    const RemoteRegion& dst = inl ? c->records : r->dst;
-    const size_t dst_offset = inl ? r->record_dst_offset + kRecordBytes : c->elems[i].offset;
-    Status st = e.write_imm(d->group, c->peer, src, dst, dst_offset, data_imm, Notify{&held_done, r});
+    Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm, Notify{&held_done, r});
     if (!st.ok()) {
       release_held(r);
       undo_op(c, r);
@@ -203,7 +197,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   // (NCCL's) leaves what it submits to its next progress() pass, one provider poll later (a
   // syscall on tcp). Not a large one: posting 4 MiB here cost the bandwidth row 15-25 % on tcp.
   if (len <= kStartNowBytes) e.start_submitted(d->group);
-  if (inl) c->inline_user[islot] = r->index;
+  if (copy) c->inline_user[islot] = r->index;
   --c->free_count;
   r->in_use = true;
   c->matched |= 1u << i;
@@ -246,9 +240,11 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     elems[i].offset = reinterpret_cast<uintptr_t>(data[i]) - m->start;
     elems[i].region = m->remote_bytes;
   }
-  // One small buffer in host memory: its data comes inline, behind the size record (kCtsInline).
-  const bool inl = n == 1 && sizes[0] > 0 && sizes[0] <= global_config().net_inline &&
-                   targets[0]->kind == MemKind::kHost;
+  // One buffer in host memory, of any size: the sender may put a small message inline, behind the
+  // size record in the request's inline slot (kCtsInline), and the copy out is ours. NCCL posts
+  // whole step buffers (64 KiB and up) whatever it then sends into them, so the offer cannot
+  // depend on the buffer's size, only on where it is.
+  const bool inl = n == 1 && sizes[0] > 0 && global_config().net_inline > 0 && targets[0]->kind == MemKind::kHost;
   elems[0].inline_data = inl;
   uint8_t* out = c->cts.ptr + slot * kCtsSlotBytes;
   PONTE_RETURN_IF_ERROR(
@@ -436,7 +432,8 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
         for (int i = 0; i < q->n; ++i) {
           auto rec = decode_record(base + static_cast<size_t>(i) * kRecordBytes);
           if (!rec.ok() || rec->request_number != static_cast<uint32_t>(q->number) ||
-              rec->size > q->posted[i]) {
+              rec->size > q->posted[i] ||
+              (q->inline_data && rec->shards == 0 && rec->size > kInlineMax)) {
             note_error(q, Status(Code::kTransport, "corrupt size record"));
             return Status::Ok();
           }
@@ -449,7 +446,9 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards)
         return waiting(q->data_imm, q->shards);
       if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
-      if (q->inline_data && q->received[0] > 0)  // the slot is not reused before this request ends
+      // Data behind the record (no shards) is copied out; the slot is not reused before this
+      // request ends. With shards it went into the buffer.
+      if (q->inline_data && q->shards == 0 && q->received[0] > 0)
         std::memcpy(q->inline_dst, rc->records.ptr + inline_slot_offset(q->number) + kRecordBytes,
                     q->received[0]);
       e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));

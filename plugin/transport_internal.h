@@ -158,8 +158,8 @@ struct RecvRequest : Request {
   uint32_t data_imm = 0;
   uint32_t record_imm = 0;
   bool records_read = false;
-  bool inline_data = false;  // its CTS asked for inline data: the record is in the inline slot
-  void* inline_dst = nullptr;  // ... whose data is copied here
+  bool inline_data = false;  // its CTS offered the inline slot: the record is there
+  void* inline_dst = nullptr;  // ... and data behind it (a record without shards) is copied here
   uint32_t shards = 0;
   uint64_t posted[kMaxRecvs] = {};
   uint64_t received[kMaxRecvs] = {};

@@ -280,9 +280,6 @@ Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8
     put<uint64_t>(e, c.offset);
     put<uint64_t>(e + 8, c.size);
     put<int32_t>(e + 16, c.tag);
-    if (c.inline_data && c.size > kInlineMax)
-      return Status(Code::kInvalidArgument, "CTS: inline buffer of %llu bytes (at most %zu)",
-                    static_cast<unsigned long long>(c.size), kInlineMax);
     put<uint32_t>(e + 20, c.inline_data ? kCtsInline : 0u);
     e[24] = static_cast<uint8_t>(c.region.size());
     std::memset(e + 25, 0, 7);
@@ -313,9 +310,6 @@ Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* 
   const uint32_t flags = get<uint32_t>(e + 20);
   if (flags & ~kCtsInline) return Status(Code::kInvalidArgument, "CTS: unknown flags 0x%x", flags);
   elem->inline_data = (flags & kCtsInline) != 0;
-  if (elem->inline_data && elem->size > kInlineMax)
-    return Status(Code::kInvalidArgument, "CTS: inline buffer of %llu bytes (at most %zu)",
-                  static_cast<unsigned long long>(elem->size), kInlineMax);
   const size_t rlen = e[24];
   if (rlen > kCtsElemBytes - kCtsElemHeader)
     return Status(Code::kInvalidArgument, "CTS: region length %zu too long", rlen);

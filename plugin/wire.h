@@ -12,7 +12,8 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 3;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class
+constexpr uint8_t kWireVersion = 4;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
+                                     // 4: the inline slot is offered (any buffer size), the sender picks
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -160,11 +161,14 @@ Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 //                7 pad
 //   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 flags,
 //                u8 region length, 7 pad, RemoteRegion bytes (<= 96 for 4 NICs)
-//   flags bit 0 (kCtsInline): send inline. The receiver asks it for a one-buffer receive of at most
-//                kInlineMax bytes in host memory; the sender then writes the size record and the
-//                data together, in one write, into the request's inline slot (see below) instead
-//                of the data into the buffer and the record apart: one write per message, not two.
-//                The receiver copies the data out. Other bits: 0.
+//   flags bit 0 (kCtsInline): the inline slot is offered. The receiver offers it for a one-buffer
+//                receive in host memory, of any size (NCCL posts whole step buffers, whatever it
+//                sends into them). The size record then goes into the request's inline slot (see
+//                below), not its record slot. A message of at most PONTE_NET_INLINE bytes
+//                (<= kInlineMax) from host memory goes behind it, in the same write (one write
+//                per message, not two), and the receiver copies it out; a larger one, or one from
+//                GPU memory, goes into the buffer as usual and its record says so (shards > 0).
+//                Other bits: 0.
 constexpr size_t kCtsHeader = 16;
 constexpr size_t kCtsElemHeader = 32;
 constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
@@ -199,8 +203,9 @@ constexpr size_t kRecordBytes = 32;
 constexpr size_t kRecordArea = kMaxRequests * kMaxRecvs * kRecordBytes;
 
 // Inline slots: after the records, one per request slot, each a size record followed by up to
-// kInlineMax data bytes; written whole, with the request's record immediate, when its CTS asked
-// for inline data (kCtsInline). The record says how many data bytes follow (its size; shards 0).
+// kInlineMax data bytes, for a request whose CTS offered it (kCtsInline); written with the
+// request's record immediate. A record with shards 0 and size s has its s data bytes behind it
+// (in the same write); one with shards > 0 had its data written into the receive buffer.
 constexpr size_t kInlineMax = 4096;
 constexpr size_t kInlineSlotBytes = kRecordBytes + kInlineMax;
 constexpr size_t kInlineArea = kMaxRequests * kInlineSlotBytes;

@@ -222,15 +222,16 @@ TEST_F(PluginTest, EightInFlightAndThirtyTwoPostedReceives) {
   close_pair(net(), &p);
 }
 
-// Receives of at most PONTE_NET_INLINE (4096) bytes in host memory get their data inside the size
-// record (one write) and copy it out of the request's inline slot. Three rounds of 32 receives in
-// flight reuse every slot; sizes straddle the limit, receives larger than their sends and a
-// one-buffer receive beside a larger one (not inline) share the rounds.
+// Messages of at most PONTE_NET_INLINE (4096) bytes from host memory into a one-buffer host receive
+// come inside the size record (one write) and are copied out of the request's inline slot, whatever
+// the receive buffer's size (NCCL posts 64 KiB step buffers and sends 8 bytes into them); larger
+// ones go into the buffer with their record in that slot. Three rounds of 32 receives in flight
+// reuse every slot; sizes straddle the limit, receives larger than their sends share the rounds.
 TEST_F(PluginTest, SmallMessagesCycleEveryInlineSlot) {
   Pair p;
   ASSERT_OK(connect_pair(net(), 0, 0, &p));
-  const size_t sends[] = {1, 4096, 4095, 100, 4097, 64, 3000, 8};
-  const size_t caps[] = {1, 4096, 4096, 4096, 4097, 5000, 3000, 4096};
+  const size_t sends[] = {1, 4096, 4095, 100, 4097, 64, 3000, 8, 8, 65536, 4096};
+  const size_t caps[] = {1, 4096, 4096, 4096, 4097, 5000, 3000, 4096, 65536, 65536, 1 << 20};
   constexpr int kWindow = 32;
   uint32_t seed = 5000;
   for (int round = 0; round < 3; ++round) {
@@ -1110,8 +1111,10 @@ TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
   }
 }
 
-// The receiver alone decides whether a message comes inline (its CTS says so): ends that differ in
-// PONTE_NET_INLINE still move every byte, both ways.
+// A receiver offers its inline slot (its CTS says so) and a sender takes it or not: ends that
+// differ in PONTE_NET_INLINE still move every byte, both ways. A receiver that makes no offer gets
+// records in record slots; one whose offer the sender declines gets the record in the inline slot
+// and the data in its buffer.
 TEST(PluginProcesses, InlineSettingsMayDifferBetweenTheEnds) {
   set_test_environment();
   Net net;
@@ -1123,7 +1126,7 @@ TEST(PluginProcesses, InlineSettingsMayDifferBetweenTheEnds) {
     Peer peer({"recv", join_sizes(sizes)}, {"PONTE_NET_INLINE=0"});
     ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, 0, sizes, peer));
   }
-  {  // we receive inline; the peer sends with inline off for its own receives
+  {  // we offer the inline slot; the peer, inline off, declines it for every size
     Peer peer({"send", join_sizes(sizes)}, {"PONTE_NET_INLINE=0"});
     ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, 0, sizes, peer, 0));
   }

@@ -243,7 +243,7 @@ TEST(PluginWire, CtsWritesOnlyItsElementsOverAStaleSlot) {
   EXPECT_EQ(r.nics, 1);
 }
 
-TEST(PluginWire, CtsInlineFlagRoundTripsAndIsBounded) {
+TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   std::vector<uint8_t> slot(kCtsSlotBytes, 0);
   const auto r1 = region(1, 0x9000, 8192).encode();
   CtsElem elems[2] = {CtsElem{0, kInlineMax, 3, r1, true}, CtsElem{0, 8192, 4, r1, false}};
@@ -255,14 +255,15 @@ TEST(PluginWire, CtsInlineFlagRoundTripsAndIsBounded) {
   EXPECT_EQ(e.size, kInlineMax);
   ASSERT_TRUE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
   EXPECT_FALSE(e.inline_data);
-  // More than an inline slot holds is refused on both sides.
-  elems[0].size = kInlineMax + 1;
-  EXPECT_FALSE(encode_cts(7, elems, slot.data()).ok());
-  elems[0].size = kInlineMax;
+  // The offer does not bound the buffer (NCCL posts step buffers of 64 KiB and more): the sender
+  // alone decides whether a message fits behind the record.
+  const auto r4 = region(1, 0x9000, 8 << 20).encode();
+  elems[0].size = 4 << 20;
+  elems[0].region = r4;
   ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
-  const uint64_t big = kInlineMax + 1;
-  std::memcpy(slot.data() + kCtsHeader + 8, &big, sizeof(big));  // element 0's size
-  EXPECT_FALSE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
+  ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
+  EXPECT_TRUE(e.inline_data);
+  EXPECT_EQ(e.size, 4u << 20);
   // Unknown flag bits are refused.
   ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
   slot[kCtsHeader + kCtsElemBytes + 20] = 0x02;  // element 1's flags
