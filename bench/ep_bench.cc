@@ -33,20 +33,21 @@ struct Shape {
   DType dtype = DType::kBFloat16;
   int iters = 50;
   int warmup = 5;
+  int combine_once = 0;  // 1: EpBuffer::combine (one call) instead of combine_send + combine_recv
 };
 
 std::string encode(const Shape& s) {
   char b[256];
-  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk, s.experts,
-           static_cast<int>(s.dtype), s.iters, s.warmup);
+  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk,
+           s.experts, static_cast<int>(s.dtype), s.iters, s.warmup, s.combine_once);
   return b;
 }
 Shape decode(const std::string& t) {
   Shape s;
   char prov[64] = {};
   int d = 0;
-  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts, &d,
-         &s.iters, &s.warmup);
+  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts, &d,
+         &s.iters, &s.warmup, &s.combine_once);
   s.provider = prov;
   s.dtype = static_cast<DType>(d);
   return s;
@@ -206,12 +207,21 @@ RankResult run_rank(Communicator& c, const Shape& s) {
         res.error = "verification: " + v;
       }
     }
-    auto t2 = Clock::now();
-    st = b.combine_send(*h, rxr);  // the "experts" return their input: out = x * sum(w) = x
-    double cs = us_since(t2);
-    auto t3 = Clock::now();
-    if (st.ok()) st = b.combine_recv(*h, w, outr);
-    double cr = us_since(t3);
+    // The "experts" return their input: out = x * sum(w) = x. In one call, c_send is 0 and c_recv
+    // the whole call.
+    double cs = 0, cr = 0;
+    if (s.combine_once) {
+      auto t2 = Clock::now();
+      st = b.combine(*h, rxr, w, outr);
+      cr = us_since(t2);
+    } else {
+      auto t2 = Clock::now();
+      st = b.combine_send(*h, rxr);
+      cs = us_since(t2);
+      auto t3 = Clock::now();
+      if (st.ok()) st = b.combine_recv(*h, w, outr);
+      cr = us_since(t3);
+    }
     if (!st.ok()) {
       res.error = std::string("combine: ") + st.message();
       return res;
@@ -435,13 +445,15 @@ Row run_world(const Shape& s, bool a2a) {
 [[noreturn]] void usage(int code) {
   fprintf(code ? stderr : stdout,
           "usage: ep-bench [--provider P[,P]] [--world W[,W]] [--tokens T[,T]] [--hidden H] [--topk K] [--experts E]\n"
-          "                [--dtype bf16|f32] [--iters N] [--json] [--plot FILE.png]\n"
+          "                [--dtype bf16|f32] [--iters N] [--combine split|once] [--json] [--plot FILE.png]\n"
           "MoE dispatch/combine through ponte's EpBuffer on W ranks started here (loopback), p50/p99 of the\n"
           "slowest rank per iteration, the send/recv split, and the memcpy of the same bytes in the same\n"
           "run; then all_to_all_v at 1 MiB per pair against the engine's own writes. Without shape\n"
           "arguments: the decode shape (128 tokens, H 7168, top-8, 256 experts, bf16) and a small one\n"
           "(H 128, 16 experts, top-2) on shm and tcp;ofi_rxm with W = 2; more ranks than cores are\n"
-          "labelled oversubscribed. --plot also sweeps W and tokens per rank (small shape, shm).\n");
+          "labelled oversubscribed. --plot also sweeps W and tokens per rank (small shape, shm).\n"
+          "--combine once times EpBuffer::combine (one call: this rank's own rows are read from y in place)\n"
+          "instead of combine_send + combine_recv (the default, split).\n");
   exit(code);
 }
 
@@ -456,9 +468,11 @@ std::vector<int> ints(const char* s) {
   return v;
 }
 
-void print_table(const std::vector<Row>& rows) {
+void print_table(const std::vector<Row>& rows, bool combine_once) {
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   printf("ep-bench: dispatch and combine through ponte's EpBuffer, us (p50/p99 over iterations of the slowest rank)\n");
+  printf("combine: %s\n", combine_once ? "in one call (EpBuffer::combine; c_send 0, c_recv the whole call)"
+                                        : "split (combine_send, then combine_recv)");
   printf("%-12s %3s %6s %6s %4s %7s %5s | %9s %9s %8s %8s | %9s %9s %8s %8s | %9s %6s %s\n", "provider", "W", "tokens",
          "hidden", "topk", "experts", "dtype", "disp_p50", "disp_p99", "d_send", "d_recv", "comb_p50", "comb_p99", "c_send",
          "c_recv", "memcpy_us", "ratio", "verified");
@@ -483,9 +497,10 @@ void print_json(const std::vector<Row>& rows) {
     const Row& r = rows[i];
     printf("%s\n  {\"provider\": \"%s\", \"world\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, "
            "\"dtype\": \"%s\", \"dispatch_p50_us\": %.3f, \"dispatch_p99_us\": %.3f, \"combine_p50_us\": %.3f, "
-           "\"combine_p99_us\": %.3f, \"memcpy_us\": %.3f, \"verified\": %s}",
+           "\"combine_p99_us\": %.3f, \"combine_call\": \"%s\", \"memcpy_us\": %.3f, \"verified\": %s}",
            i ? "," : "", r.s.provider.c_str(), r.s.world, r.s.tokens, r.s.hidden, r.s.topk, r.s.experts, dtype_name(r.s.dtype),
-           r.dp50, r.dp99, r.cp50, r.cp99, r.memcpy_us, r.verified && r.error.empty() ? "true" : "false");
+           r.dp50, r.dp99, r.cp50, r.cp99, r.s.combine_once ? "once" : "split", r.memcpy_us,
+           r.verified && r.error.empty() ? "true" : "false");
   }
   printf("\n]}\n");
 }
@@ -527,6 +542,7 @@ int main(int argc, char** argv) {
   int hidden = 0, topk = 0, experts = 0, iters = 50;
   DType dtype = DType::kBFloat16;
   bool json = false, custom = false;
+  int combine_once = 0;
   std::string plot_file;
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
@@ -555,7 +571,11 @@ int main(int argc, char** argv) {
       else usage(2);
       custom = true;
     } else if (a == "--iters") iters = atoi(next());
-    else if (a == "--json") json = true;
+    else if (a == "--combine") {
+      std::string m = next();
+      if (m == "once") combine_once = 1;
+      else if (m != "split") usage(2);
+    } else if (a == "--json") json = true;
     else if (a == "--plot") plot_file = next();
     else if (a == "-h" || a == "--help") usage(0);
     else usage(2);
@@ -573,6 +593,7 @@ int main(int argc, char** argv) {
         s.experts = E;
         s.dtype = d;
         s.iters = iters;
+        s.combine_once = combine_once;
         shapes.push_back(s);
       }
   };
@@ -602,7 +623,7 @@ int main(int argc, char** argv) {
   }
   if (json) print_json(rows);
   else {
-    print_table(rows);
+    print_table(rows, combine_once != 0);
     printf("\nall_to_all_v, 1 MiB per pair, against the engine's own writes of the same pattern (same run)\n");
     printf("%-12s %3s %12s %14s %6s\n", "provider", "W", "a2a_GB/s", "engine_GB/s", "ratio");
     for (auto& r : a2a) {

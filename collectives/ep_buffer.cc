@@ -59,6 +59,9 @@ struct EpBuffer::Impl {
     std::vector<int32_t> layout;       // [L * W * 2]
     std::vector<int32_t> recv_counts;  // [W * L]: rows each source sent per local expert
     std::vector<ScatterTarget> hdr_targets;  // small blocks whole, large blocks' headers
+    // combine() (both phases in one call): this rank's own rows are read from y itself, which
+    // cannot change before the call returns, instead of being packed into its own block.
+    const uint8_t* own_y = nullptr;
     FlagSet sends{4};
   } slots[kSlots];
   uint64_t next_seq = 1;
@@ -101,6 +104,7 @@ struct EpBuffer::Impl {
   Status fail(EpHandle& h, const Status& st) {
     slots[h.slot_].state = kFree;
     slots[h.slot_].seq = 0;
+    slots[h.slot_].own_y = nullptr;
     h.buf_ = nullptr;
     if (failed.ok() && (st.code() == Code::kPeerDead || st.code() == Code::kTimeout || st.code() == Code::kTransport ||
                         !ci->failed.ok()))
@@ -378,9 +382,11 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
   return Status::Ok();
 }
 
-Status EpBuffer::combine_send(EpHandle& h, const EpRows& y) {
+Status EpBuffer::combine_send(EpHandle& h, const EpRows& y) { return combine_send_impl(h, y, false); }
+
+Status EpBuffer::combine_send_impl(EpHandle& h, const EpRows& y, bool y_stays) {
   Impl& im = *impl_;
-  const char* what = "combine_send";
+  const char* what = y_stays ? "combine" : "combine_send";
   PONTE_RETURN_IF_ERROR(im.check_handle(h, kDispatchReceived, what));
   PONTE_RETURN_IF_ERROR(im.failed);
   PONTE_RETURN_IF_ERROR(im.ci->failed);
@@ -403,7 +409,12 @@ Status EpBuffer::combine_send(EpHandle& h, const EpRows& y) {
   }
   sl.state = kCombineSent;
   im.post_blocks(kCombine, h.slot_, static_cast<uint32_t>(sl.seq), sl.recv_counts.data());
-  pack_combine_block(im.shape, y.data, im.me, sl.layout.data(), im.block(kCombine, h.slot_, 0, im.me) + im.hdr_bytes);
+  // y may change once combine_send returns, so this rank's own rows are copied out too; combine()
+  // reads them from y in place (its combine_recv runs before it returns).
+  if (y_stays)
+    sl.own_y = static_cast<const uint8_t*>(y.data);
+  else
+    pack_combine_block(im.shape, y.data, im.me, sl.layout.data(), im.block(kCombine, h.slot_, 0, im.me) + im.hdr_bytes);
   return Status::Ok();
 }
 
@@ -435,12 +446,25 @@ Status EpBuffer::combine_recv(EpHandle& h, std::span<const float> topk_weights, 
   for (int d = 0; d < im.W; d++) {
     const uint8_t* rows = im.block(kCombine, h.slot_, 0, d) + im.hdr_bytes;
     const int32_t* map = &sl.send_map[static_cast<size_t>(d) * im.max_rows];
+    if (d == im.me && sl.own_y) {  // in y itself, in the order pack_combine_block would copy them
+      const size_t per_expert = recv_rows_per_expert();
+      uint32_t i = 0;
+      for (int l = 0; l < im.L; l++) {
+        const int32_t begin = sl.layout[2 * (static_cast<size_t>(l) * im.W + d)];
+        const int32_t count = sl.layout[2 * (static_cast<size_t>(l) * im.W + d) + 1];
+        for (int32_t j = 0; j < count; j++, i++)
+          im.row_of[static_cast<size_t>(map[i])] =
+              sl.own_y + (static_cast<size_t>(l) * per_expert + static_cast<size_t>(begin + j)) * im.shape.row_bytes;
+      }
+      continue;
+    }
     for (uint32_t i = 0; i < im.headers[d].rows; i++) im.row_of[static_cast<size_t>(map[i])] = rows + i * stride;
   }
   combine_tokens(im.shape, im.row_of.data(), topk_weights.data(), sl.routed.data(), static_cast<int>(T), out.data,
                  accumulate);
   sl.state = kFree;
   sl.seq = 0;
+  sl.own_y = nullptr;
   h.buf_ = nullptr;
   return Status::Ok();
 }
@@ -465,8 +489,17 @@ Status EpBuffer::combine(EpHandle& h, const EpRows& y, std::span<const float> to
                     T * impl_->cfg.topk);
     PONTE_RETURN_IF_ERROR(impl_->check_rows(out, T, "combine", "out"));
   }
-  PONTE_RETURN_IF_ERROR(combine_send(h, y));
-  return combine_recv(h, topk_weights, out, accumulate);
+  PONTE_RETURN_IF_ERROR(combine_send_impl(h, y, true));
+  Status st = combine_recv(h, topk_weights, out, accumulate);
+  Impl::Slot& sl = impl_->slots[h.slot_];
+  if (!st.ok() && h.valid() && sl.own_y) {
+    // Still live (refused before it waited): a later combine_recv must not read y, which is the
+    // caller's again once this returns. Copy this rank's rows out now, as combine_send does.
+    pack_combine_block(impl_->shape, sl.own_y, impl_->me, sl.layout.data(),
+                       impl_->block(kCombine, h.slot_, 0, impl_->me) + impl_->hdr_bytes);
+    sl.own_y = nullptr;
+  }
+  return st;
 }
 
 }  // namespace ponte

@@ -75,19 +75,21 @@ class EpBuffer {
   size_t recv_rows_per_expert() const;  // W * max_tokens: recv_x has L blocks of this many rows
 
   // x: [T, H]; topk_idx: T * K int64. Packs one block per destination rank and posts the writes;
-  // returns at once. A third live handle is refused (kResource).
+  // returns at once, and x may then change. A third live handle is refused (kResource).
   Result<EpHandle> dispatch_send(const EpRows& x, std::span<const int64_t> topk_idx);
   // Waits for every rank's block and unpacks: recv_x [L * W * max_tokens, H] (expert l's rows at
   // l * W * max_tokens, recv_count[l] of them, in any order), recv_count [L] int32.
   Status dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int32_t> recv_count);
-  // y: the experts' outputs in recv_x's layout. Sends each row back to its source; returns at once.
+  // y: the experts' outputs in recv_x's layout. Sends each row back to its source; returns at once,
+  // and y may then change (its rows were copied out, this rank's own too).
   Status combine_send(EpHandle& h, const EpRows& y);
   // out [T, H]: out[t] = sum over valid k of topk_weights[t, k] * y_row(t, k), summed in float32,
   // in the original token order; tokens with no valid expert get zeros, or, with accumulate, the sum
   // is added to out (tokens with no valid expert untouched). Releases the handle.
   Status combine_recv(EpHandle& h, std::span<const float> topk_weights, const EpRows& out, bool accumulate = false);
 
-  // Both phases of each in one call.
+  // Both phases of each in one call. combine reads this rank's own rows from y in place (one copy
+  // of them fewer than combine_send + combine_recv).
   Result<EpHandle> dispatch(const EpRows& x, std::span<const int64_t> topk_idx, const EpRows& recv_x,
                             std::span<int32_t> recv_count);
   Status combine(EpHandle& h, const EpRows& y, std::span<const float> topk_weights, const EpRows& out,
@@ -100,6 +102,7 @@ class EpBuffer {
  private:
   friend class EpHandle;
   EpBuffer();
+  Status combine_send_impl(EpHandle& h, const EpRows& y, bool y_stays);
   std::unique_ptr<Impl> impl_;
 };
 
