@@ -446,16 +446,9 @@ Status EpBuffer::combine_recv(EpHandle& h, std::span<const float> topk_weights, 
   for (int d = 0; d < im.W; d++) {
     const uint8_t* rows = im.block(kCombine, h.slot_, 0, d) + im.hdr_bytes;
     const int32_t* map = &sl.send_map[static_cast<size_t>(d) * im.max_rows];
-    if (d == im.me && sl.own_y) {  // in y itself, in the order pack_combine_block would copy them
-      const size_t per_expert = recv_rows_per_expert();
-      uint32_t i = 0;
-      for (int l = 0; l < im.L; l++) {
-        const int32_t begin = sl.layout[2 * (static_cast<size_t>(l) * im.W + d)];
-        const int32_t count = sl.layout[2 * (static_cast<size_t>(l) * im.W + d) + 1];
-        for (int32_t j = 0; j < count; j++, i++)
-          im.row_of[static_cast<size_t>(map[i])] =
-              sl.own_y + (static_cast<size_t>(l) * per_expert + static_cast<size_t>(begin + j)) * im.shape.row_bytes;
-      }
+    if (d == im.me && sl.own_y) {  // in y itself, in the order pack_combine_block copies them
+      for_each_combine_row(im.shape, sl.own_y, d, sl.layout.data(),
+                           [&](uint32_t i, const uint8_t* row) { im.row_of[static_cast<size_t>(map[i])] = row; });
       continue;
     }
     for (uint32_t i = 0; i < im.headers[d].rows; i++) im.row_of[static_cast<size_t>(map[i])] = rows + i * stride;
@@ -489,17 +482,11 @@ Status EpBuffer::combine(EpHandle& h, const EpRows& y, std::span<const float> to
                     T * impl_->cfg.topk);
     PONTE_RETURN_IF_ERROR(impl_->check_rows(out, T, "combine", "out"));
   }
+  // combine_recv's own refusals (the weights, out) were checked above, before anything was sent,
+  // and every failure after them ends the handle (Impl::fail): the rows read from y in place are
+  // never read once this returns.
   PONTE_RETURN_IF_ERROR(combine_send_impl(h, y, true));
-  Status st = combine_recv(h, topk_weights, out, accumulate);
-  Impl::Slot& sl = impl_->slots[h.slot_];
-  if (!st.ok() && h.valid() && sl.own_y) {
-    // Still live (refused before it waited): a later combine_recv must not read y, which is the
-    // caller's again once this returns. Copy this rank's rows out now, as combine_send does.
-    pack_combine_block(impl_->shape, sl.own_y, impl_->me, sl.layout.data(),
-                       impl_->block(kCombine, h.slot_, 0, impl_->me) + impl_->hdr_bytes);
-    sl.own_y = nullptr;
-  }
-  return st;
+  return combine_recv(h, topk_weights, out, accumulate);
 }
 
 }  // namespace ponte

@@ -210,18 +210,8 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
 
 uint32_t pack_combine_block(const EpShape& s, const void* y, int src, const int32_t* layout_range, uint8_t* rows) {
   const size_t stride = combine_row_stride(s);
-  const size_t per_expert = static_cast<size_t>(s.world) * s.max_tokens;
-  const auto* yb = static_cast<const uint8_t*>(y);
-  uint32_t n = 0;
-  for (int l = 0; l < s.local_experts; l++) {
-    const int32_t begin = layout_range[2 * (l * s.world + src)];
-    const int32_t count = layout_range[2 * (l * s.world + src) + 1];
-    for (int32_t i = 0; i < count; i++, n++) {
-      const size_t r = static_cast<size_t>(l) * per_expert + static_cast<size_t>(begin + i);
-      memcpy(rows + n * stride, yb + r * s.row_bytes, s.row_bytes);
-    }
-  }
-  return n;
+  return for_each_combine_row(s, y, src, layout_range,
+                              [&](uint32_t n, const uint8_t* row) { memcpy(rows + n * stride, row, s.row_bytes); });
 }
 
 void reduce_combine_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* send_map_d,

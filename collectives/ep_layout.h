@@ -118,8 +118,24 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
                              const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
                              int32_t* cursor);
 
-// Gathers the rows of y answering source src's dispatch block, in that block's order, using
-// layout_range ([L, W, 2] of (begin, count)) into rows (combine stride). Returns the row count.
+// Calls f(n, row) for each row of y answering source src's dispatch block, in that block's order
+// (n = 0, 1, ...), using layout_range ([L, W, 2] of (begin, count)). Returns the row count.
+template <typename F>
+uint32_t for_each_combine_row(const EpShape& s, const void* y, int src, const int32_t* layout_range, F&& f) {
+  const size_t per_expert = static_cast<size_t>(s.world) * static_cast<size_t>(s.max_tokens);
+  const auto* yb = static_cast<const uint8_t*>(y);
+  uint32_t n = 0;
+  for (int l = 0; l < s.local_experts; l++) {
+    const int32_t begin = layout_range[2 * (l * s.world + src)];
+    const int32_t count = layout_range[2 * (l * s.world + src) + 1];
+    for (int32_t i = 0; i < count; i++, n++)
+      f(n, yb + (static_cast<size_t>(l) * per_expert + static_cast<size_t>(begin + i)) * s.row_bytes);
+  }
+  return n;
+}
+
+// Gathers the rows of y answering source src's dispatch block, in that block's order
+// (for_each_combine_row), into rows (combine stride). Returns the row count.
 uint32_t pack_combine_block(const EpShape& s, const void* y, int src, const int32_t* layout_range, uint8_t* rows);
 
 // acc[t] += w[t, k] * row for each combine row from one destination; send_map_d: that
