@@ -34,20 +34,21 @@ struct Shape {
   int iters = 50;
   int warmup = 5;
   int combine_once = 0;  // 1: EpBuffer::combine (one call) instead of combine_send + combine_recv
+  int dispatch_once = 0;  // 1: EpBuffer::dispatch (one call) instead of dispatch_send + dispatch_recv
 };
 
 std::string encode(const Shape& s) {
   char b[256];
-  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk,
-           s.experts, static_cast<int>(s.dtype), s.iters, s.warmup, s.combine_once);
+  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk,
+           s.experts, static_cast<int>(s.dtype), s.iters, s.warmup, s.combine_once, s.dispatch_once);
   return b;
 }
 Shape decode(const std::string& t) {
   Shape s;
   char prov[64] = {};
   int d = 0;
-  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts, &d,
-         &s.iters, &s.warmup, &s.combine_once);
+  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts,
+         &d, &s.iters, &s.warmup, &s.combine_once, &s.dispatch_once);
   s.provider = prov;
   s.dtype = static_cast<DType>(d);
   return s;
@@ -190,12 +191,21 @@ RankResult run_rank(Communicator& c, const Shape& s) {
   for (int it = 0; it < s.warmup + s.iters; it++) {
     routing(s, me, it, &idx, &w);
     Status st = c.barrier();
-    auto t0 = Clock::now();
-    auto h = b.dispatch_send(xr, idx);
-    double ds = us_since(t0);
-    auto t1 = Clock::now();
-    if (h.ok()) st = b.dispatch_recv(*h, rxr, cnt);
-    double dr = us_since(t1);
+    // In one call, d_send is 0 and d_recv the whole call.
+    double ds = 0, dr = 0;
+    Result<EpHandle> h = Status(Code::kInternal, "not run");
+    if (s.dispatch_once) {
+      auto t1 = Clock::now();
+      h = b.dispatch(xr, idx, rxr, cnt);
+      dr = us_since(t1);
+    } else {
+      auto t0 = Clock::now();
+      h = b.dispatch_send(xr, idx);
+      ds = us_since(t0);
+      auto t1 = Clock::now();
+      if (h.ok()) st = b.dispatch_recv(*h, rxr, cnt);
+      dr = us_since(t1);
+    }
     if (!h.ok() || !st.ok()) {
       res.error = std::string("dispatch: ") + (h.ok() ? st.message() : h.status().message());
       return res;
@@ -445,7 +455,8 @@ Row run_world(const Shape& s, bool a2a) {
 [[noreturn]] void usage(int code) {
   fprintf(code ? stderr : stdout,
           "usage: ep-bench [--provider P[,P]] [--world W[,W]] [--tokens T[,T]] [--hidden H] [--topk K] [--experts E]\n"
-          "                [--dtype bf16|f32] [--iters N] [--combine split|once] [--json] [--plot FILE.png]\n"
+          "                [--dtype bf16|f32] [--iters N] [--dispatch split|once] [--combine split|once] [--json]\n"
+          "                [--plot FILE.png]\n"
           "MoE dispatch/combine through ponte's EpBuffer on W ranks started here (loopback), p50/p99 of the\n"
           "slowest rank per iteration, the send/recv split, and the memcpy of the same bytes in the same\n"
           "run; then all_to_all_v at 1 MiB per pair against the engine's own writes. Without shape\n"
@@ -453,7 +464,8 @@ Row run_world(const Shape& s, bool a2a) {
           "(H 128, 16 experts, top-2) on shm and tcp;ofi_rxm with W = 2; more ranks than cores are\n"
           "labelled oversubscribed. --plot also sweeps W and tokens per rank (small shape, shm).\n"
           "--combine once times EpBuffer::combine (one call: this rank's own rows are read from y in place)\n"
-          "instead of combine_send + combine_recv (the default, split).\n");
+          "instead of combine_send + combine_recv (the default, split); --dispatch once times\n"
+          "EpBuffer::dispatch (one call: this rank's own rows are unpacked from x in place).\n");
   exit(code);
 }
 
@@ -468,9 +480,11 @@ std::vector<int> ints(const char* s) {
   return v;
 }
 
-void print_table(const std::vector<Row>& rows, bool combine_once) {
+void print_table(const std::vector<Row>& rows, bool dispatch_once, bool combine_once) {
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   printf("ep-bench: dispatch and combine through ponte's EpBuffer, us (p50/p99 over iterations of the slowest rank)\n");
+  printf("dispatch: %s\n", dispatch_once ? "in one call (EpBuffer::dispatch; d_send 0, d_recv the whole call)"
+                                          : "split (dispatch_send, then dispatch_recv)");
   printf("combine: %s\n", combine_once ? "in one call (EpBuffer::combine; c_send 0, c_recv the whole call)"
                                         : "split (combine_send, then combine_recv)");
   printf("%-12s %3s %6s %6s %4s %7s %5s | %9s %9s %8s %8s | %9s %9s %8s %8s | %9s %6s %s\n", "provider", "W", "tokens",
@@ -497,9 +511,10 @@ void print_json(const std::vector<Row>& rows) {
     const Row& r = rows[i];
     printf("%s\n  {\"provider\": \"%s\", \"world\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, "
            "\"dtype\": \"%s\", \"dispatch_p50_us\": %.3f, \"dispatch_p99_us\": %.3f, \"combine_p50_us\": %.3f, "
-           "\"combine_p99_us\": %.3f, \"combine_call\": \"%s\", \"memcpy_us\": %.3f, \"verified\": %s}",
+           "\"combine_p99_us\": %.3f, \"dispatch_call\": \"%s\", \"combine_call\": \"%s\", \"memcpy_us\": %.3f, \"verified\": %s}",
            i ? "," : "", r.s.provider.c_str(), r.s.world, r.s.tokens, r.s.hidden, r.s.topk, r.s.experts, dtype_name(r.s.dtype),
-           r.dp50, r.dp99, r.cp50, r.cp99, r.s.combine_once ? "once" : "split", r.memcpy_us,
+           r.dp50, r.dp99, r.cp50, r.cp99, r.s.dispatch_once ? "once" : "split", r.s.combine_once ? "once" : "split",
+           r.memcpy_us,
            r.verified && r.error.empty() ? "true" : "false");
   }
   printf("\n]}\n");
@@ -542,7 +557,7 @@ int main(int argc, char** argv) {
   int hidden = 0, topk = 0, experts = 0, iters = 50;
   DType dtype = DType::kBFloat16;
   bool json = false, custom = false;
-  int combine_once = 0;
+  int combine_once = 0, dispatch_once = 0;
   std::string plot_file;
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
@@ -575,6 +590,10 @@ int main(int argc, char** argv) {
       std::string m = next();
       if (m == "once") combine_once = 1;
       else if (m != "split") usage(2);
+    } else if (a == "--dispatch") {
+      std::string m = next();
+      if (m == "once") dispatch_once = 1;
+      else if (m != "split") usage(2);
     } else if (a == "--json") json = true;
     else if (a == "--plot") plot_file = next();
     else if (a == "-h" || a == "--help") usage(0);
@@ -594,6 +613,7 @@ int main(int argc, char** argv) {
         s.dtype = d;
         s.iters = iters;
         s.combine_once = combine_once;
+        s.dispatch_once = dispatch_once;
         shapes.push_back(s);
       }
   };
@@ -623,7 +643,7 @@ int main(int argc, char** argv) {
   }
   if (json) print_json(rows);
   else {
-    print_table(rows, combine_once != 0);
+    print_table(rows, dispatch_once != 0, combine_once != 0);
     printf("\nall_to_all_v, 1 MiB per pair, against the engine's own writes of the same pattern (same run)\n");
     printf("%-12s %3s %12s %14s %6s\n", "provider", "W", "a2a_GB/s", "engine_GB/s", "ratio");
     for (auto& r : a2a) {

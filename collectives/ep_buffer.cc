@@ -62,6 +62,10 @@ struct EpBuffer::Impl {
     // combine() (both phases in one call): this rank's own rows are read from y itself, which
     // cannot change before the call returns, instead of being packed into its own block.
     const uint8_t* own_y = nullptr;
+    // dispatch() (both phases in one call): this rank's own block carries tags only; its rows are
+    // unpacked from x itself (own_x_tokens rows), which cannot change before the call returns.
+    const uint8_t* own_x = nullptr;
+    int own_x_tokens = 0;
     FlagSet sends{4};
   } slots[kSlots];
   uint64_t next_seq = 1;
@@ -105,6 +109,7 @@ struct EpBuffer::Impl {
     slots[h.slot_].state = kFree;
     slots[h.slot_].seq = 0;
     slots[h.slot_].own_y = nullptr;
+    slots[h.slot_].own_x = nullptr;
     h.buf_ = nullptr;
     if (failed.ok() && (st.code() == Code::kPeerDead || st.code() == Code::kTimeout || st.code() == Code::kTransport ||
                         !ci->failed.ok()))
@@ -286,8 +291,12 @@ Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpC
 }
 
 Result<EpHandle> EpBuffer::dispatch_send(const EpRows& x, std::span<const int64_t> topk_idx) {
+  return dispatch_send_impl(x, topk_idx, false);
+}
+
+Result<EpHandle> EpBuffer::dispatch_send_impl(const EpRows& x, std::span<const int64_t> topk_idx, bool x_stays) {
   Impl& im = *impl_;
-  const char* what = "dispatch_send";
+  const char* what = x_stays ? "dispatch" : "dispatch_send";
   PONTE_RETURN_IF_ERROR(im.failed);
   PONTE_RETURN_IF_ERROR(im.ci->failed);
   if (x.rows > static_cast<size_t>(im.cfg.max_tokens))
@@ -315,7 +324,9 @@ Result<EpHandle> EpBuffer::dispatch_send(const EpRows& x, std::span<const int64_
   }
   for (int d = 0; d < im.W; d++) im.pack_at[d] = im.block(kDispatch, s, d == im.me ? 0 : 1, d) + im.hdr_bytes;
   pack_dispatch(im.shape, x.data, nullptr, topk_idx.data(), T, sl.counts.data(), im.pack_at.data(), im.cursor.data(),
-                im.token_row.data(), sl.send_map.data(), im.rows_out.data());
+                im.token_row.data(), sl.send_map.data(), im.rows_out.data(), x_stays ? im.me : -1);
+  sl.own_x = x_stays ? static_cast<const uint8_t*>(x.data) : nullptr;
+  sl.own_x_tokens = T;
   const size_t stride = dispatch_row_stride(im.shape);
   for (int d = 0; d < im.W; d++) {
     EpBlockHeader& h = im.headers[d];
@@ -354,7 +365,9 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
   std::fill(im.scratch_e.begin(), im.scratch_e.begin() + L, 0);
   if (st.ok())
     st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, me) + im.hdr_bytes, im.headers[me].rows, own, me,
-                               im.scratch_e.data(), recv_x.data, nullptr, sl.src_info.data(), im.cursor.data());
+                               im.scratch_e.data(), recv_x.data, nullptr, sl.src_info.data(), im.cursor.data(),
+                               sl.own_x, sl.own_x_tokens);
+  sl.own_x = nullptr;
   if (!st.ok()) return im.fail(h, st);
   st = im.receive_blocks(kDispatch, h.slot_, static_cast<uint32_t>(sl.seq), what);
   if (!st.ok()) return im.fail(h, st);
@@ -468,7 +481,9 @@ Result<EpHandle> EpBuffer::dispatch(const EpRows& x, std::span<const int64_t> to
   PONTE_RETURN_IF_ERROR(impl_->check_rows(recv_x, static_cast<size_t>(impl_->L) * recv_rows_per_expert(), "dispatch", "recv_x"));
   if (recv_count.size() < static_cast<size_t>(impl_->L))
     return Status(Code::kInvalidArgument, "dispatch: recv_count has %zu entries, needs %d", recv_count.size(), impl_->L);
-  PONTE_ASSIGN_OR_RETURN(EpHandle h, dispatch_send(x, topk_idx));
+  // dispatch_recv's own refusals (recv_x, recv_count) were checked above, and every failure after
+  // them ends the handle (Impl::fail): x is never read once this returns.
+  PONTE_ASSIGN_OR_RETURN(EpHandle h, dispatch_send_impl(x, topk_idx, true));
   PONTE_RETURN_IF_ERROR(dispatch_recv(h, recv_x, recv_count));
   return h;
 }

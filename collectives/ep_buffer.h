@@ -88,8 +88,9 @@ class EpBuffer {
   // is added to out (tokens with no valid expert untouched). Releases the handle.
   Status combine_recv(EpHandle& h, std::span<const float> topk_weights, const EpRows& out, bool accumulate = false);
 
-  // Both phases of each in one call. combine reads this rank's own rows from y in place (one copy
-  // of them fewer than combine_send + combine_recv).
+  // Both phases of each in one call. dispatch unpacks this rank's own rows from x, combine reads
+  // them from y, in place (one copy of them fewer than the split calls, whose x and y may change
+  // once their send returns).
   Result<EpHandle> dispatch(const EpRows& x, std::span<const int64_t> topk_idx, const EpRows& recv_x,
                             std::span<int32_t> recv_count);
   Status combine(EpHandle& h, const EpRows& y, std::span<const float> topk_weights, const EpRows& out,
@@ -102,6 +103,7 @@ class EpBuffer {
  private:
   friend class EpHandle;
   EpBuffer();
+  Result<EpHandle> dispatch_send_impl(const EpRows& x, std::span<const int64_t> topk_idx, bool x_stays);
   Status combine_send_impl(EpHandle& h, const EpRows& y, bool y_stays);
   std::unique_ptr<Impl> impl_;
 };

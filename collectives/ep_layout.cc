@@ -130,7 +130,7 @@ void count_routes(const EpShape& s, const int64_t* topk_idx, int tokens, int32_t
 
 void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const int64_t* topk_idx, int tokens,
                    const int32_t* counts, uint8_t* const* blocks, int32_t* cursor, int32_t* token_row,
-                   int32_t* send_map, uint32_t* rows_out) {
+                   int32_t* send_map, uint32_t* rows_out, int tags_only) {
   const int L = s.local_experts, K = s.topk;
   const size_t stride = dispatch_row_stride(s), tag = dispatch_tag_bytes(s);
   const size_t max_rows = max_rows_per_block(s);
@@ -156,8 +156,11 @@ void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const i
         put<int32_t>(p, 0, t);
         put<int32_t>(p, 4, 0);
         memset(p + 8, 0xff, 4 * static_cast<size_t>(K));  // -1 after the experts named
-        memcpy(p + tag, xb + static_cast<size_t>(t) * s.row_bytes, s.row_bytes);
-        if (s.extra_bytes && eb) memcpy(p + tag + s.row_bytes, eb + static_cast<size_t>(t) * s.extra_bytes, s.extra_bytes);
+        if (d != tags_only) {  // tags_only's unpack reads x[t] itself
+          memcpy(p + tag, xb + static_cast<size_t>(t) * s.row_bytes, s.row_bytes);
+          if (s.extra_bytes && eb)
+            memcpy(p + tag + s.row_bytes, eb + static_cast<size_t>(t) * s.extra_bytes, s.extra_bytes);
+        }
       }
       uint8_t* p = blocks[d] + static_cast<size_t>(token_row[d]) * stride;
       const int32_t n = get<int32_t>(p, 4);
@@ -174,7 +177,7 @@ void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const i
 
 Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* counts, int src,
                              const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
-                             int32_t* cursor) {
+                             int32_t* cursor, const void* x, int x_tokens) {
   const int L = s.local_experts, K = s.topk;
   const size_t stride = dispatch_row_stride(s), tag = dispatch_tag_bytes(s);
   const size_t per_expert = static_cast<size_t>(s.world) * s.max_tokens;
@@ -186,6 +189,10 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
     const int32_t t = get<int32_t>(p, 0), n = get<int32_t>(p, 4);
     if (t < 0 || t >= s.max_tokens)
       return Status(Code::kInvalidArgument, "dispatch row %u names token %d (max_tokens %d)", i, t, s.max_tokens);
+    if (x && t >= x_tokens)
+      return Status(Code::kInvalidArgument, "dispatch row %u names token %d of x's %d", i, t, x_tokens);
+    // The row's data: in the block after its tag, or (a block packed with tags_only) in x.
+    const uint8_t* data = x ? static_cast<const uint8_t*>(x) + static_cast<size_t>(t) * s.row_bytes : p + tag;
     if (n < 1 || n > K)
       return Status(Code::kInvalidArgument, "dispatch row %u names %d experts (1..%d)", i, n, K);
     for (int j = 0; j < n; j++) {
@@ -195,8 +202,8 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
         return Status(Code::kInvalidArgument, "dispatch rows carry more copies for local expert %d than the %d counted", l,
                       counts[l]);
       const size_t r = static_cast<size_t>(l) * per_expert + static_cast<size_t>(begins[l] + cursor[l]++);
-      memcpy(out + r * s.row_bytes, p + tag, s.row_bytes);
-      if (extra && s.extra_bytes) memcpy(extra + r * s.extra_bytes, p + tag + s.row_bytes, s.extra_bytes);
+      memcpy(out + r * s.row_bytes, data, s.row_bytes);
+      if (extra && s.extra_bytes && !x) memcpy(extra + r * s.extra_bytes, p + tag + s.row_bytes, s.extra_bytes);
       src_info[2 * r] = src;
       src_info[2 * r + 1] = t;
     }

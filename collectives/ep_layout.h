@@ -103,20 +103,23 @@ void count_routes(const EpShape& s, const int64_t* topk_idx, int tokens, int32_t
 // (blocks[d] points at the first row), rows in token order; rows_out[d] gets d's row count.
 // send_map [W * max_rows_per_block] records, per destination and routed copy in the receiver's
 // unpack order (expert by expert, then token and k order), t * K + k (what combine needs).
-// cursor: scratch of W * L entries; token_row: scratch of W entries.
+// cursor: scratch of W * L entries; token_row: scratch of W entries. tags_only: a rank whose block
+// gets each row's tag but not its data (this rank's own, when its unpack reads x itself), or -1.
 void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const int64_t* topk_idx, int tokens,
                    const int32_t* counts, uint8_t* const* blocks, int32_t* cursor, int32_t* token_row,
-                   int32_t* send_map, uint32_t* rows_out);
+                   int32_t* send_map, uint32_t* rows_out, int tags_only = -1);
 
 // Copies each of one source's nrows rows into recv_x (L blocks of W * max_tokens rows) once per
 // local expert its tag names, expert l's copies starting at row begins[l] of its block, and
 // records (src, token) in src_info ([L, W * max_tokens, 2]). recv_extra may be null. The tags come
 // from a peer: a token out of range, a count of experts outside 1..K, an expert outside 0..L-1, or
 // copies per expert other than counts[l] (the header's) are refused, and nothing is written past
-// an expert's counted rows. cursor: scratch of L entries.
+// an expert's counted rows. cursor: scratch of L entries. x, when given, holds the rows' data
+// ([x_tokens, H], the block packed with tags_only: this rank's own x): each row is read from x at
+// its tag's token, which must then be below x_tokens.
 Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* counts, int src,
                              const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
-                             int32_t* cursor);
+                             int32_t* cursor, const void* x = nullptr, int x_tokens = 0);
 
 // Calls f(n, row) for each row of y answering source src's dispatch block, in that block's order
 // (n = 0, 1, ...), using layout_range ([L, W, 2] of (begin, count)). Returns the row count.

@@ -315,6 +315,63 @@ TEST(EpLayout, UnpackRefusesBadTags) {
   EXPECT_FALSE(unpack(blocks[0], fewer, &rx).ok());
 }
 
+// dispatch() packs this rank's own block with tags only and unpacks its rows from x: the same
+// recv_x, src_info and send_map as the full block; the data area is not written; a tag naming a
+// token past x's rows is refused.
+TEST(EpLayout, TagsOnlyBlockUnpacksFromX) {
+  const int W = 2, E = 4, T = 5, H = 3, K = 2;  // L = 2
+  EpShape s = make_ep_shape(W, E, T, H, K, DType::kFloat32, 0);
+  const int L = s.local_experts;
+  const size_t per = static_cast<size_t>(W) * T, stride = dispatch_row_stride(s), tag = dispatch_tag_bytes(s);
+  std::vector<int64_t> idx = {0, 1, 1, -1, 3, 0, -1, -1, 1, 1};  // t3 unrouted, t4 names expert 1 twice
+  std::vector<uint8_t> x(static_cast<size_t>(T) * s.row_bytes);
+  for (size_t i = 0; i < x.size(); i++) x[i] = static_cast<uint8_t>(3 * i + 1);
+  std::vector<int32_t> counts(W * L), cursor(W * L), token_row(W);
+  count_routes(s, idx.data(), T, counts.data());
+  struct Packed {
+    std::vector<std::vector<uint8_t>> blocks;
+    std::vector<int32_t> send_map;
+    std::vector<uint32_t> nrows;
+  } full, tags;
+  for (int mode = 0; mode < 2; mode++) {
+    Packed& pk = mode ? tags : full;
+    pk.blocks.assign(W, std::vector<uint8_t>(max_dispatch_rows(s) * stride, 0x5c));
+    pk.send_map.assign(W * max_rows_per_block(s), -1);
+    pk.nrows.assign(W, 0);
+    std::vector<uint8_t*> at = {pk.blocks[0].data(), pk.blocks[1].data()};
+    pack_dispatch(s, x.data(), nullptr, idx.data(), T, counts.data(), at.data(), cursor.data(), token_row.data(),
+                  pk.send_map.data(), pk.nrows.data(), mode ? 0 : -1);
+  }
+  EXPECT_EQ(full.nrows, tags.nrows);
+  EXPECT_EQ(full.send_map, tags.send_map);
+  EXPECT_EQ(full.blocks[1], tags.blocks[1]) << "another rank's block is packed whole";
+  ASSERT_EQ(full.nrows[0], 4u);  // t0, t1, t2, t4 go to rank 0
+  for (uint32_t i = 0; i < tags.nrows[0]; i++) {
+    const uint8_t* f = full.blocks[0].data() + i * stride;
+    const uint8_t* g = tags.blocks[0].data() + i * stride;
+    EXPECT_EQ(memcmp(f, g, tag), 0) << "row " << i << "'s tag";
+    for (size_t b = 0; b < s.row_bytes; b++) ASSERT_EQ(g[tag + b], 0x5c) << "row " << i << "'s data was written";
+  }
+  auto unpack = [&](const std::vector<uint8_t>& blk, const void* from_x, int x_tokens, std::vector<uint8_t>* rx,
+                    std::vector<int32_t>* info) {
+    rx->assign(static_cast<size_t>(L) * per * s.row_bytes, 0xab);
+    info->assign(static_cast<size_t>(L) * per * 2, -1);
+    std::vector<int32_t> begins(L, 0), cur(L);
+    return unpack_dispatch_block(s, blk.data(), full.nrows[0], counts.data(), 0, begins.data(), rx->data(), nullptr,
+                                 info->data(), cur.data(), from_x, x_tokens);
+  };
+  std::vector<uint8_t> rx_full, rx_x;
+  std::vector<int32_t> info_full, info_x;
+  ASSERT_TRUE(unpack(full.blocks[0], nullptr, 0, &rx_full, &info_full).ok());
+  ASSERT_TRUE(unpack(tags.blocks[0], x.data(), T, &rx_x, &info_x).ok());
+  EXPECT_EQ(rx_full, rx_x);
+  EXPECT_EQ(info_full, info_x);
+  EXPECT_EQ(memcmp(rx_x.data() + (per + 2) * s.row_bytes, x.data() + 4 * s.row_bytes, s.row_bytes), 0)
+      << "expert 1's third copy is t4";
+  Status st = unpack(tags.blocks[0], x.data(), T - 1, &rx_x, &info_x);  // t4 is past 4 rows of x
+  EXPECT_NE(std::string(st.message()).find("of x's 4"), std::string::npos) << st.message();
+}
+
 // combine_tokens: unrouted tokens get zeros, or keep their bytes with accumulate; accumulate adds.
 TEST(EpLayout, CombineTokensAccumulateAndUnrouted) {
   const int T = 2, H = 3, K = 2;
