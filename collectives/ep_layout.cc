@@ -179,6 +179,8 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
                              const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
                              int32_t* cursor, const void* x, int x_tokens) {
   const int L = s.local_experts, K = s.topk;
+  if (x && s.extra_bytes)  // x holds the rows only: a tags-only block would lose the extra bytes
+    return Status(Code::kInvalidArgument, "a block with %zu extra bytes per row cannot be unpacked from x", s.extra_bytes);
   const size_t stride = dispatch_row_stride(s), tag = dispatch_tag_bytes(s);
   const size_t per_expert = static_cast<size_t>(s.world) * s.max_tokens;
   auto* out = static_cast<uint8_t*>(recv_x);
@@ -203,7 +205,7 @@ Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nro
                       counts[l]);
       const size_t r = static_cast<size_t>(l) * per_expert + static_cast<size_t>(begins[l] + cursor[l]++);
       memcpy(out + r * s.row_bytes, data, s.row_bytes);
-      if (extra && s.extra_bytes && !x) memcpy(extra + r * s.extra_bytes, p + tag + s.row_bytes, s.extra_bytes);
+      if (extra && s.extra_bytes) memcpy(extra + r * s.extra_bytes, p + tag + s.row_bytes, s.extra_bytes);
       src_info[2 * r] = src;
       src_info[2 * r + 1] = t;
     }

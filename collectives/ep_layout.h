@@ -116,7 +116,8 @@ void pack_dispatch(const EpShape& s, const void* x, const void* x_extra, const i
 // copies per expert other than counts[l] (the header's) are refused, and nothing is written past
 // an expert's counted rows. cursor: scratch of L entries. x, when given, holds the rows' data
 // ([x_tokens, H], the block packed with tags_only: this rank's own x): each row is read from x at
-// its tag's token, which must then be below x_tokens.
+// its tag's token, which must then be below x_tokens; x carries no extra bytes, so a shape with
+// extra bytes per row is refused.
 Status unpack_dispatch_block(const EpShape& s, const uint8_t* rows, uint32_t nrows, const int32_t* counts, int src,
                              const int32_t* begins, void* recv_x, void* recv_extra, int32_t* src_info,
                              int32_t* cursor, const void* x = nullptr, int x_tokens = 0);

@@ -370,6 +370,11 @@ TEST(EpLayout, TagsOnlyBlockUnpacksFromX) {
       << "expert 1's third copy is t4";
   Status st = unpack(tags.blocks[0], x.data(), T - 1, &rx_x, &info_x);  // t4 is past 4 rows of x
   EXPECT_NE(std::string(st.message()).find("of x's 4"), std::string::npos) << st.message();
+  EpShape with_extra = make_ep_shape(W, E, T, H, K, DType::kFloat32, 16);  // fp8 scales, later
+  std::vector<int32_t> begins(L, 0), cur(L);
+  st = unpack_dispatch_block(with_extra, tags.blocks[0].data(), 0, counts.data(), 0, begins.data(), rx_x.data(), nullptr,
+                             info_x.data(), cur.data(), x.data(), T);
+  EXPECT_NE(std::string(st.message()).find("extra bytes"), std::string::npos) << st.message();
 }
 
 // combine_tokens: unrouted tokens get zeros, or keep their bytes with accumulate; accumulate adds.
