@@ -38,6 +38,15 @@ struct EngineState {
   std::shared_mutex users;
   std::vector<OpState*> orphans;  // touched with the GIL held only
   size_t sweep_at = 64;
+  // Ended OpStates kept for the next submission (GIL held): a stream of writes allocates nothing
+  // for them. At most kSpareOps; their vectors keep their capacity.
+  static constexpr size_t kSpareOps = 64;
+  std::vector<OpState*> spare;
+  // The descriptor bytes object last decoded and what it said (GIL held). A Python stream passes
+  // the same `remote` bytes object to every call; bytes are immutable and the reference held here
+  // keeps the object (and so its address) alive, so the same object means the same descriptor.
+  pyb::object remote_obj;
+  RemoteRegion remote_val;
 
   ~EngineState();
   Engine& live(const char* what) {
@@ -47,6 +56,9 @@ struct EngineState {
   void close();
   void orphan(OpState* op);
   void sweep();
+  std::unique_ptr<OpState> new_op();
+  void recycle(OpState* op);  // op has ended; nothing else holds it
+  RemoteRegion remote(pyb::handle obj, const char* name);
   // The engine's own bound on everything plus slack: how long any wait for it may take.
   std::chrono::milliseconds bound() const { return std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(5); }
 };
@@ -98,7 +110,37 @@ struct OpState {
   Notify notify() { return Notify{&OpState::fire, this}; }
 };
 
-EngineState::~EngineState() { close(); }
+std::unique_ptr<OpState> EngineState::new_op() {
+  if (spare.empty()) return std::make_unique<OpState>();
+  std::unique_ptr<OpState> op(spare.back());
+  spare.pop_back();
+  return op;
+}
+
+void EngineState::recycle(OpState* op) {
+  if (spare.size() >= kSpareOps) {
+    delete op;
+    return;
+  }
+  // The worker's last touch of an ended op was DoneCell::fire's exchange (a wake that follows
+  // only uses the address; a waiter on the reused cell rechecks its word): reuse is as safe as
+  // the delete it replaces.
+  op->cell.reset();
+  op->status = Status::Ok();
+  op->region.reset();
+  op->inflight = nullptr;
+  op->src_pages.clear();
+  op->dst_pages.clear();
+  op->targets.clear();
+  op->remotes.clear();
+  op->peers.clear();
+  spare.push_back(op);
+}
+
+EngineState::~EngineState() {
+  close();
+  for (OpState* op : spare) delete op;
+}
 
 void EngineState::close() {
   if (!engine) return;
@@ -117,9 +159,9 @@ void EngineState::orphan(OpState* op) {
 }
 
 void EngineState::sweep() {
-  auto keep = std::remove_if(orphans.begin(), orphans.end(), [](OpState* op) {
+  auto keep = std::remove_if(orphans.begin(), orphans.end(), [this](OpState* op) {
     if (!op->cell.done()) return false;
-    delete op;
+    recycle(op);
     return true;
   });
   orphans.erase(keep, orphans.end());
@@ -222,7 +264,7 @@ struct Operation {
   ~Operation() {
     if (!op) return;
     if (op->cell.done()) {
-      delete op;
+      eng->recycle(op);
     } else {
       eng->orphan(op);
     }
@@ -287,6 +329,16 @@ RemoteRegion decode_remote(pyb::handle obj, const char* name) {
   if (hold.obj) PyBuffer_Release(&hold);
   if (!r.ok()) raise_value("%s: not a region descriptor (%s)", name, r.status().message());
   return *r;
+}
+
+RemoteRegion EngineState::remote(pyb::handle obj, const char* name) {
+  if (remote_obj && obj.ptr() == remote_obj.ptr()) return remote_val;
+  RemoteRegion r = decode_remote(obj, name);
+  if (PyBytes_CheckExact(obj.ptr())) {
+    remote_obj = pyb::reinterpret_borrow<pyb::object>(obj);
+    remote_val = r;
+  }
+  return r;
 }
 
 std::shared_ptr<RegionState> arg_region(pyb::handle obj, const char* name) {
@@ -563,7 +615,7 @@ void bind_engine(pyb::module_& m) {
            "alive; do not resize it while registered.")
       .def("write", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle offset, py::handle nbytes,
                        py::handle remote, py::handle remote_offset, py::handle imm) {
-        auto op = std::make_unique<OpState>();
+        auto op = s->new_op();
         op->region = arg_region(region, "region");
         uint32_t p = arg_u32(peer, "peer");
         size_t off = arg_size(offset, "offset"), len = arg_size(nbytes, "nbytes");
@@ -571,7 +623,7 @@ void bind_engine(pyb::module_& m) {
         auto imm_v = arg_opt_u32(imm, "imm");
         const MemoryRegion& mr = op->region->live("region");
         check_range(off, len, mr.len, "offset", "local region");
-        RemoteRegion dst = decode_remote(remote, "remote");
+        RemoteRegion dst = s->remote(remote, "remote");
         check_range(roff, len, dst.len, "remote_offset", "remote region");
         uint32_t iv = imm_v.value_or(0);
         const uint32_t* ip = imm_v ? &iv : nullptr;
@@ -585,14 +637,14 @@ void bind_engine(pyb::module_& m) {
            "``imms_per_write(peer, nbytes)`` times when all the data has landed. Returns an Operation.")
       .def("read", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle offset, py::handle nbytes,
                       py::handle remote, py::handle remote_offset) {
-        auto op = std::make_unique<OpState>();
+        auto op = s->new_op();
         op->region = arg_region(region, "region");
         uint32_t p = arg_u32(peer, "peer");
         size_t off = arg_size(offset, "offset"), len = arg_size(nbytes, "nbytes");
         size_t roff = arg_size(remote_offset, "remote_offset");
         const MemoryRegion& mr = op->region->live("region");
         check_range(off, len, mr.len, "offset", "local region");
-        RemoteRegion src = decode_remote(remote, "remote");
+        RemoteRegion src = s->remote(remote, "remote");
         check_range(roff, len, src.len, "remote_offset", "remote region");
         return submit(s, std::move(op), "read", [&](Engine& e, Notify n) {
           return e.read(kGroup, p, LocalSlice{&mr, off, len}, src, roff, n);
@@ -603,7 +655,7 @@ void bind_engine(pyb::module_& m) {
            "Operation.")
       .def("paged_write", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle src_pages,
                              py::handle remote, py::handle dst_pages, py::handle page_size, py::handle imm) {
-        auto op = std::make_unique<OpState>();
+        auto op = s->new_op();
         op->region = arg_region(region, "region");
         uint32_t p = arg_u32(peer, "peer");
         size_t ps = arg_size(page_size, "page_size");
@@ -614,7 +666,7 @@ void bind_engine(pyb::module_& m) {
         if (op->src_pages.size() != op->dst_pages.size())
           raise_value("dst_pages: %zu entries but src_pages has %zu", op->dst_pages.size(), op->src_pages.size());
         const MemoryRegion& mr = op->region->live("region");
-        RemoteRegion dst = decode_remote(remote, "remote");
+        RemoteRegion dst = s->remote(remote, "remote");
         for (size_t i = 0; i < op->src_pages.size(); i++) {
           if (static_cast<size_t>(op->src_pages[i]) + 1 > mr.len / ps)
             raise_value("src_pages[%zu] = %u: page outside the %zu-byte region", i, op->src_pages[i], mr.len);
@@ -634,7 +686,7 @@ void bind_engine(pyb::module_& m) {
            "of ``remote``, one write per page; with ``imm`` each page carries it (the target counts "
            "``len(src_pages)``). Page lists: sequences of ints or 1-D integer numpy arrays. Returns an Operation.")
       .def("scatter", [](const EnginePtr& s, py::handle region, py::iterable targets, py::handle imm) {
-        auto op = std::make_unique<OpState>();
+        auto op = s->new_op();
         op->region = arg_region(region, "region");
         auto imm_v = arg_opt_u32(imm, "imm");
         const MemoryRegion& mr = op->region->live("region");
@@ -674,10 +726,10 @@ void bind_engine(pyb::module_& m) {
       .def("imm", [](const EnginePtr& s, py::handle peer, py::handle value) {
         uint32_t p = arg_u32(peer, "peer");
         uint32_t v = arg_u32(value, "value");
-        return submit(s, std::make_unique<OpState>(), "imm", [&](Engine& e, Notify n) { return e.imm(kGroup, p, v, n); });
+        return submit(s, s->new_op(), "imm", [&](Engine& e, Notify n) { return e.imm(kGroup, p, v, n); });
       }, py::arg("peer"), py::arg("value"), "An immediate alone (a zero-byte write carrying ``value``). Returns an Operation.")
       .def("barrier", [](const EnginePtr& s, py::iterable peers, py::handle value) {
-        auto op = std::make_unique<OpState>();
+        auto op = s->new_op();
         size_t i = 0;
         for (py::handle p : peers) op->peers.push_back(arg_u32(p, ("peers[" + std::to_string(i++) + "]").c_str()));
         uint32_t v = arg_u32(value, "value");
@@ -693,7 +745,7 @@ void bind_engine(pyb::module_& m) {
         auto t = arg_timeout(timeout_s, "timeout_s");
         uint32_t tms = 0;
         if (t) tms = static_cast<uint32_t>(std::clamp<int64_t>((t->count() + 999999) / 1000000, 1, 0xffffffffll));
-        return submit(s, std::make_unique<OpState>(), "expect_imm", [&](Engine& e, Notify n) {
+        return submit(s, s->new_op(), "expect_imm", [&](Engine& e, Notify n) {
           return e.expect_imm(kGroup, v, c, from, n, tms);
         });
       }, py::arg("value"), py::arg("count"), py::arg("peer") = py::none(), py::arg("timeout_s") = py::none(),

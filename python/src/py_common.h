@@ -86,6 +86,8 @@ class DoneCell {
  public:
   bool done() const { return state_.load(std::memory_order_acquire) == kDone; }
   void fire();  // worker side
+  // Pending again, for a cell whose operation ended and whose waiters are gone (reuse).
+  void reset() { state_.store(kPending, std::memory_order_relaxed); }
   // Waits until done or the deadline; true when done. The GIL must be released by the caller.
   bool wait_until(std::chrono::steady_clock::time_point deadline);
 

@@ -49,6 +49,43 @@ def test_bad_descriptor_bytes(self_link):
     eng.write(pid, reg, 0, 8, memoryview(desc), 0).wait(10)
 
 
+def test_descriptors_switch_and_ended_operations_reused(self_link):
+    """The binding keeps the descriptor it decoded last and the operations that ended: a write to
+    another region's descriptor lands there, a bytearray changed in place is read again, and an
+    operation that failed leaves nothing behind for the next one."""
+    eng, reg, pid, desc = self_link
+    bufs = [np.zeros(4096, dtype=np.uint8) for _ in range(2)]
+    regs = [eng.register(b) for b in bufs]
+    descs = [r.descriptor() for r in regs]
+    try:
+        src = np.frombuffer(bytes(range(256)) * 256, dtype=np.uint8)
+        reg_src = eng.register(src.copy())
+        for k in range(6):  # alternate the two descriptors, each write checked where it landed
+            i = k % 2
+            eng.write(pid, reg_src, k, 64, descs[i], 64 * k).wait(10)
+            assert np.array_equal(bufs[i][64 * k:64 * k + 64], src[k:k + 64]), "write %d to region %d" % (k, i)
+            assert not bufs[1 - i][64 * k:64 * k + 64].any(), "write %d also reached region %d" % (k, 1 - i)
+        mutable = bytearray(descs[0])
+        eng.write(pid, reg_src, 0, 16, mutable, 1024).wait(10)
+        mutable[:] = descs[1]
+        eng.write(pid, reg_src, 16, 16, mutable, 1024).wait(10)
+        assert np.array_equal(bufs[0][1024:1040], src[0:16])
+        assert np.array_equal(bufs[1][1024:1040], src[16:32])
+        with pytest.raises(ValueError, match="remote"):
+            eng.write(pid, reg_src, 0, 8, descs[0][:-1], 0)  # after a good descriptor: still refused
+        for r in range(3):  # a failed operation, then writes: each waits for its own completion
+            with pytest.raises(ponte.Error):
+                eng.expect_imm(0x1234567, 1, timeout_s=0.05).wait(10)
+            ops = [eng.write(pid, reg_src, 64 * r + 8 * j, 8, descs[0], 2048 + 8 * j) for j in range(4)]
+            for j, op in enumerate(ops):
+                op.wait(10)
+                assert np.array_equal(bufs[0][2048 + 8 * j:2056 + 8 * j], src[64 * r + 8 * j:64 * r + 8 * j + 8])
+        reg_src.close()
+    finally:
+        for r in regs:
+            r.close()
+
+
 def test_bad_addresses_and_peers(self_link):
     eng, reg, pid, desc = self_link
     addr = eng.address()
