@@ -7,7 +7,8 @@ Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with
 (default 16) in flight, from Python (``ponte.Engine.write`` + ``Operation.wait``) and from
 ``ponte-bench --op write`` (C++; its completions submit the next write on the engine's worker).
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
-(the machine is shared). Target: python/C++ >= 0.9 at window 16.
+(the machine is shared). Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
+sending process (every thread: the caller's and the engine's worker) per write, over the timed loop.
 
 MoE: dispatch+combine through ``ponte.EpBuffer`` against ``ep-bench`` (C++), the same shape (default
 ep-bench's small one: W 2, 128 tokens per rank, H 128, top-2, 16 experts, bf16), timed alike (a barrier,
@@ -112,7 +113,7 @@ def python_stream(provider, size, window, iters, build):
         # The stream: window writes in flight; the oldest is waited for, then the next submitted.
         inflight = collections.deque()
         write = eng.write
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), time.process_time()
         for i in range(iters):
             if len(inflight) == window:
                 inflight.popleft().wait()
@@ -120,7 +121,7 @@ def python_stream(provider, size, window, iters, build):
             inflight.append(write(peer, reg, off, size, remote, off))
         while inflight:
             inflight.popleft().wait()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - p0
         # The target hears the end through one immediate, after the stream completed.
         eng.imm(peer, 2).wait(60)
         answer = parent.recv() if parent.poll(90) else "no answer"
@@ -129,7 +130,7 @@ def python_stream(provider, size, window, iters, build):
         parent.send(("exit",))
         reg.close()
         eng.close()
-        return {"GBps": iters * size / dt / 1e9, "Mops": iters / dt / 1e6}
+        return {"GBps": iters * size / dt / 1e9, "Mops": iters / dt / 1e6, "proc_us": cpu / iters * 1e6}
     finally:
         proc.join(30)
         if proc.is_alive():
@@ -145,7 +146,7 @@ def cpp_stream(bench, provider, size, window, iters):
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             r = json.loads(line)["results"][0]
-            return {"GBps": r["GBps"], "Mops": r["Mops"]}
+            return {"GBps": r["GBps"], "Mops": r["Mops"], "proc_us": r["proc_ns_per_op"] / 1e3}
     raise RuntimeError("ponte-bench printed no JSON")
 
 
@@ -181,7 +182,7 @@ def main():
     failed = False
     print("py_overhead: %d-byte writes, window %d, %d per run, best of %d (two processes on loopback)"
           % (size, a.window, a.iters, a.repeat))
-    print("%-14s %-8s %10s %10s %10s" % ("provider", "who", "BW[GB/s]", "Mops", "us/op"))
+    print("%-14s %-8s %10s %10s %10s %12s" % ("provider", "who", "BW[GB/s]", "Mops", "us/op", "proc_us/op"))
     for provider in a.providers.split(","):
         runs = {"ponte-bench": [], "python": []}
         for _ in range(a.repeat):
@@ -197,8 +198,8 @@ def main():
         c, p = best(runs["ponte-bench"]), best(runs["python"])
         for who, r in (("ponte-bench", c), ("python", p)):
             if r:
-                print("%-14s %-8s %10.3f %10.4f %10.2f" % (provider, who[:8] if who == "python" else "c++", r["GBps"],
-                                                           r["Mops"], 1 / r["Mops"]))
+                print("%-14s %-8s %10.3f %10.4f %10.2f %12.2f" % (provider, who[:8] if who == "python" else "c++",
+                                                                 r["GBps"], r["Mops"], 1 / r["Mops"], r["proc_us"]))
         if c and p:
             print("%-14s ratio python/c++ = %.3f (target >= 0.9 at window 16)" % (provider, p["GBps"] / c["GBps"]))
     if a.ep == "auto":
