@@ -8,7 +8,8 @@ Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with
 ``ponte-bench --op write`` (C++; its completions submit the next write on the engine's worker).
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
 (the machine is shared). Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
-sending process (every thread: the caller's and the engine's worker) per write, over the timed loop.
+sending process per write over the timed loop: Python's counts every thread (its waits included);
+ponte-bench's (``proc_ns_per_op``) every thread but its main one, plus that thread's submit calls.
 
 MoE: dispatch+combine through ``ponte.EpBuffer`` against ``ep-bench`` (C++), the same shape (default
 ep-bench's small one: W 2, 128 tokens per rank, H 128, top-2, 16 experts, bf16), timed alike (a barrier,
