@@ -4,6 +4,8 @@
 # tcp;ofi_rxm over loopback. Proves the plugin works under real NCCL; the numbers mean little.
 #   ./smoke-1gpu.sh all_reduce | alltoall | sendrecv | torch | pair | env
 #   SMOKE_NET=socket ./smoke-1gpu.sh all_reduce     (the same through NCCL's own Socket transport)
+#   SMOKE_NET=/path/libnccl-net.so ./smoke-1gpu.sh torch   (the same through another net plugin,
+#                                        e.g. aws-ofi-nccl, on the same libfabric provider)
 # all_reduce/alltoall/sendrecv need nccl-tests built with MPI=1 and an mpirun; `pair` needs neither
 # (nccl_pair_check.cc, built on first use, starts both ranks itself).
 set -euo pipefail
@@ -33,6 +35,12 @@ if [ "$SMOKE_NET" = "socket" ]; then
   export NCCL_NET_PLUGIN=none
   export NCCL_NET=Socket
   export NCCL_DEBUG="${NCCL_DEBUG:-INFO}" NCCL_DEBUG_SUBSYS="${NCCL_DEBUG_SUBSYS:-INIT,NET}"
+elif [ "$SMOKE_NET" != "ponte" ]; then
+  [ -f "$SMOKE_NET" ] || { echo "SMOKE_NET=$SMOKE_NET: neither ponte, socket nor a plugin file" >&2; exit 2; }
+  export NCCL_NET_PLUGIN="$SMOKE_NET"
+  export NCCL_NET_PLUGIN_REF_COUNT="${NCCL_NET_PLUGIN_REF_COUNT:-1}"
+  export NCCL_DEBUG="${NCCL_DEBUG:-INFO}" NCCL_DEBUG_SUBSYS="${NCCL_DEBUG_SUBSYS:-INIT,NET}"
+  export FI_PROVIDER="${FI_PROVIDER:-tcp;ofi_rxm}" FI_TCP_IFACE=lo
 else
   ponte_common_env
   export NCCL_NET=ponte               # ponte or a loud failure: no silent fallback to Socket
@@ -66,7 +74,7 @@ case "${1:-}" in
     pair="${PAIR_BIN:-${TMPDIR:-/tmp}/nccl_pair_check}"
     cuda="${CUDA_HOME:-/usr/local/cuda}"
     nccl="${NCCL_HOME:-$cuda}"
-    if [ ! -x "$pair" ] || [ "$here/nccl_pair_check.cc" -nt "$pair" ]; then
+    if [ ! -x "$pair" ] || { [ "${PONTE_SKIP_BUILD:-0}" != 1 ] && [ "$here/nccl_pair_check.cc" -nt "$pair" ]; }; then
       g++ -O2 -std=c++17 "$here/nccl_pair_check.cc" -I"$nccl/include" -I"$cuda/include" \
         -L"$nccl/lib" -L"$cuda/lib64" -Wl,-rpath,"$nccl/lib" -lnccl -lcudart -o "$pair"
     fi
