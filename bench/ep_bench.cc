@@ -16,6 +16,11 @@
 
 #include "collectives/ep_buffer.h"
 #include "tests/collectives/world.h"
+#ifdef PONTE_EP_BENCH_CUDA
+#include <cuda_runtime.h>
+
+#include "collectives/cuda/ep_device_cuda.h"
+#endif
 
 using namespace ponte;
 using namespace ponte::test;
@@ -35,20 +40,21 @@ struct Shape {
   int warmup = 5;
   int combine_once = 0;  // 1: EpBuffer::combine (one call) instead of combine_send + combine_recv
   int dispatch_once = 0;  // 1: EpBuffer::dispatch (one call) instead of dispatch_send + dispatch_recv
+  int cuda = 0;           // 1: x, recv_x and out in GPU memory (EpConfig::device, the CUDA EpDevice)
 };
 
 std::string encode(const Shape& s) {
   char b[256];
-  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk,
-           s.experts, static_cast<int>(s.dtype), s.iters, s.warmup, s.combine_once, s.dispatch_once);
+  snprintf(b, sizeof(b), "%s|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", s.provider.c_str(), s.world, s.tokens, s.hidden, s.topk,
+           s.experts, static_cast<int>(s.dtype), s.iters, s.warmup, s.combine_once, s.dispatch_once, s.cuda);
   return b;
 }
 Shape decode(const std::string& t) {
   Shape s;
   char prov[64] = {};
   int d = 0;
-  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts,
-         &d, &s.iters, &s.warmup, &s.combine_once, &s.dispatch_once);
+  sscanf(t.c_str(), "%63[^|]|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d|%d", prov, &s.world, &s.tokens, &s.hidden, &s.topk, &s.experts,
+         &d, &s.iters, &s.warmup, &s.combine_once, &s.dispatch_once, &s.cuda);
   s.provider = prov;
   s.dtype = static_cast<DType>(d);
   return s;
@@ -159,6 +165,37 @@ std::string verify(const Shape& s, EpBuffer& buf, const EpHandle& h, int me, int
   return "";
 }
 
+// --device cuda: the CUDA EpDevice and the tensors it works on (bench/CMakeLists.txt builds it in
+// where the CUDA kernels are built; elsewhere --device cuda fails the row by name).
+struct DeviceTensors {
+  std::unique_ptr<EpDevice> dev;
+  void *x = nullptr, *rx = nullptr, *out = nullptr;
+#ifdef PONTE_EP_BENCH_CUDA
+  std::string open(EpConfig* cfg) {
+    auto d = cuda::make_ep_device(0);
+    if (!d.ok()) return std::string("CUDA device: ") + d.status().message();
+    dev = std::move(*d);
+    cfg->device = dev.get();
+    return "";
+  }
+  std::string alloc(const std::vector<uint8_t>& xh, size_t rx_bytes, size_t out_bytes) {
+    if (cudaMalloc(&x, xh.size() + 1) != cudaSuccess || cudaMalloc(&rx, rx_bytes + 1) != cudaSuccess ||
+        cudaMalloc(&out, out_bytes + 1) != cudaSuccess)
+      return "cudaMalloc failed";
+    cudaMemcpy(x, xh.data(), xh.size(), cudaMemcpyHostToDevice);
+    return "";
+  }
+  void fetch(void* dst, const void* src, size_t n) { cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost); }
+  ~DeviceTensors() {
+    cudaFree(x), cudaFree(rx), cudaFree(out);
+  }
+#else
+  std::string open(EpConfig*) { return "--device cuda: this ep-bench was built without CUDA"; }
+  std::string alloc(const std::vector<uint8_t>&, size_t, size_t) { return "no CUDA"; }
+  void fetch(void*, const void*, size_t) {}
+#endif
+};
+
 RankResult run_rank(Communicator& c, const Shape& s) {
   RankResult res;
   const int me = c.rank();
@@ -168,6 +205,15 @@ RankResult run_rank(Communicator& c, const Shape& s) {
   cfg.hidden = s.hidden;
   cfg.topk = s.topk;
   cfg.dtype = s.dtype;
+  // --device cuda: the tensors in GPU memory (declared before the buffer, which must go first).
+  DeviceTensors gpu;
+  if (s.cuda) {
+    std::string e = gpu.open(&cfg);
+    if (!e.empty()) {
+      res.error = e;
+      return res;
+    }
+  }
   auto buf = EpBuffer::create(c, cfg);
   if (!buf.ok()) {
     res.error = std::string("EpBuffer: ") + buf.status().message();
@@ -185,6 +231,16 @@ RankResult run_rank(Communicator& c, const Shape& s) {
   EpRows xr{x.data(), static_cast<size_t>(s.tokens), static_cast<size_t>(s.hidden), s.dtype};
   EpRows rxr{rx.data(), static_cast<size_t>(L) * b.recv_rows_per_expert(), static_cast<size_t>(s.hidden), s.dtype};
   EpRows outr{out.data(), static_cast<size_t>(s.tokens), static_cast<size_t>(s.hidden), s.dtype};
+  if (s.cuda) {
+    std::string e = gpu.alloc(x, rx.size(), out.size());
+    if (!e.empty()) {
+      res.error = e;
+      return res;
+    }
+    xr.data = gpu.x;
+    rxr.data = gpu.rx;
+    outr.data = gpu.out;
+  }
   std::vector<int64_t> idx;
   std::vector<float> w;
   bool verified = true;
@@ -211,6 +267,7 @@ RankResult run_rank(Communicator& c, const Shape& s) {
       return res;
     }
     if (it == s.warmup || it == s.warmup + s.iters - 1) {  // check the first and last measured round
+      if (s.cuda) gpu.fetch(rx.data(), gpu.rx, rx.size());
       std::string v = verify(s, b, *h, me, it, rx, cnt);
       if (!v.empty()) {
         verified = false;
@@ -236,6 +293,7 @@ RankResult run_rank(Communicator& c, const Shape& s) {
       res.error = std::string("combine: ") + st.message();
       return res;
     }
+    if (it == s.warmup && s.cuda) gpu.fetch(out.data(), gpu.out, out.size());
     if (it == s.warmup)
       for (int t = 0; t < s.tokens && verified; t++)
         for (int hh = 0; hh < std::min(s.hidden, 4); hh++) {
@@ -456,7 +514,7 @@ Row run_world(const Shape& s, bool a2a) {
   fprintf(code ? stderr : stdout,
           "usage: ep-bench [--provider P[,P]] [--world W[,W]] [--tokens T[,T]] [--hidden H] [--topk K] [--experts E]\n"
           "                [--dtype bf16|f32] [--iters N] [--dispatch split|once] [--combine split|once] [--json]\n"
-          "                [--plot FILE.png]\n"
+          "                [--device host|cuda] [--plot FILE.png]\n"
           "MoE dispatch/combine through ponte's EpBuffer on W ranks started here (loopback), p50/p99 of the\n"
           "slowest rank per iteration, the send/recv split, and the memcpy of the same bytes in the same\n"
           "run; then all_to_all_v at 1 MiB per pair against the engine's own writes. Without shape\n"
@@ -465,7 +523,9 @@ Row run_world(const Shape& s, bool a2a) {
           "labelled oversubscribed. --plot also sweeps W and tokens per rank (small shape, shm).\n"
           "--combine once times EpBuffer::combine (one call: this rank's own rows are read from y in place)\n"
           "instead of combine_send + combine_recv (the default, split); --dispatch once times\n"
-          "EpBuffer::dispatch (one call: this rank's own rows are unpacked from x in place).\n");
+          "EpBuffer::dispatch (one call: this rank's own rows are unpacked from x in place).\n"
+          "--device cuda puts x, recv_x and out in GPU memory (all ranks on GPU 0; EpConfig::device, the\n"
+          "kernels of collectives/cuda/); memcpy_us stays the host copy of the same bytes.\n");
   exit(code);
 }
 
@@ -483,6 +543,7 @@ std::vector<int> ints(const char* s) {
 void print_table(const std::vector<Row>& rows, bool dispatch_once, bool combine_once) {
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   printf("ep-bench: dispatch and combine through ponte's EpBuffer, us (p50/p99 over iterations of the slowest rank)\n");
+  if (!rows.empty() && rows[0].s.cuda) printf("tensors: GPU memory (--device cuda)\n");
   printf("dispatch: %s\n", dispatch_once ? "in one call (EpBuffer::dispatch; d_send 0, d_recv the whole call)"
                                           : "split (dispatch_send, then dispatch_recv)");
   printf("combine: %s\n", combine_once ? "in one call (EpBuffer::combine; c_send 0, c_recv the whole call)"
@@ -557,7 +618,7 @@ int main(int argc, char** argv) {
   int hidden = 0, topk = 0, experts = 0, iters = 50;
   DType dtype = DType::kBFloat16;
   bool json = false, custom = false;
-  int combine_once = 0, dispatch_once = 0;
+  int combine_once = 0, dispatch_once = 0, cuda = 0;
   std::string plot_file;
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
@@ -594,6 +655,10 @@ int main(int argc, char** argv) {
       std::string m = next();
       if (m == "once") dispatch_once = 1;
       else if (m != "split") usage(2);
+    } else if (a == "--device") {
+      std::string m = next();
+      if (m == "cuda") cuda = 1;
+      else if (m != "host") usage(2);
     } else if (a == "--json") json = true;
     else if (a == "--plot") plot_file = next();
     else if (a == "-h" || a == "--help") usage(0);
@@ -614,6 +679,7 @@ int main(int argc, char** argv) {
         s.iters = iters;
         s.combine_once = combine_once;
         s.dispatch_once = dispatch_once;
+        s.cuda = cuda;
         shapes.push_back(s);
       }
   };

@@ -76,6 +76,97 @@ struct EpBuffer::Impl {
   std::vector<uint8_t*> pack_at;
   FlagSet waits;
 
+  // Device mode (cfg.device): the arena is mapped host memory of the device, and the kernels need
+  // the routing on the device: one scratch set per buffer (send_map and layout_range per slot, as
+  // a slot's combine reads them after the other slot's dispatch).
+  EpDevice* dev = nullptr;
+  struct DeviceScratch {
+    int64_t* idx = nullptr;            // [max_tokens * K]
+    int32_t* counts = nullptr;         // [W * L] the slot being dispatched
+    int32_t* cursor = nullptr;         // [W * L]
+    int32_t* token_row = nullptr;      // [max_tokens * W]
+    int32_t* rows_out = nullptr;       // [W]
+    int32_t* send_map[kSlots] = {};    // [W * max_rows]
+    int32_t* layout[kSlots] = {};      // [L * W * 2]
+    int32_t* src_counts = nullptr;     // [W * L] per source being unpacked
+    int32_t* begins = nullptr;         // [W * L]
+    int32_t* src_info = nullptr;       // [L * W * max_tokens * 2]
+    int32_t* pos = nullptr;            // [max_tokens * K]
+    float* weights = nullptr;          // [max_tokens * K]
+    float* acc = nullptr;              // [max_tokens * H]
+    uint8_t* routed = nullptr;         // [max_tokens]
+  } dm;
+  std::vector<void*> dev_allocs;
+  std::vector<int32_t> rows_i32;  // rows_out from the device
+
+  template <typename T>
+  Status dev_alloc(T** p, size_t n) {
+    auto r = dev->alloc(n * sizeof(T));
+    if (!r.ok()) return r.status();
+    dev_allocs.push_back(*r);
+    *p = static_cast<T*>(*r);
+    return Status::Ok();
+  }
+  Status dev_create() {
+    const size_t Tm = static_cast<size_t>(cfg.max_tokens), K = static_cast<size_t>(cfg.topk), WL = static_cast<size_t>(W) * L;
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.idx, Tm * K));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.counts, WL));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.cursor, WL));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.token_row, Tm * W));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.rows_out, static_cast<size_t>(W)));
+    for (int s = 0; s < kSlots; s++) {
+      PONTE_RETURN_IF_ERROR(dev_alloc(&dm.send_map[s], static_cast<size_t>(W) * max_rows));
+      PONTE_RETURN_IF_ERROR(dev_alloc(&dm.layout[s], WL * 2));
+    }
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.src_counts, WL));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.begins, WL));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.src_info, WL * Tm * 2));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.pos, Tm * K));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.weights, Tm * K));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.acc, Tm * static_cast<size_t>(cfg.hidden)));
+    PONTE_RETURN_IF_ERROR(dev_alloc(&dm.routed, Tm));
+    rows_i32.assign(W, 0);
+    return Status::Ok();
+  }
+  // Packs every destination's rows of slot s from x (device) into the outgoing blocks, this rank's
+  // own too, then copies its own into its incoming block (where dispatch_recv reads it). Returns
+  // once the device is done: the blocks may be posted.
+  Status dev_pack_dispatch(int s, const void* x, const int64_t* topk_idx, int T) {
+    Slot& sl = slots[s];
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.idx, topk_idx, static_cast<size_t>(T) * cfg.topk * sizeof(int64_t)));
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.counts, sl.counts.data(), sl.counts.size() * sizeof(int32_t)));
+    PONTE_RETURN_IF_ERROR(dev->pack_dispatch(shape, x, dm.idx, T, dm.counts, block(kDispatch, s, 1, 0),
+                                             block_bytes[kDispatch], hdr_bytes, dm.cursor, dm.token_row, dm.send_map[s],
+                                             dm.rows_out));
+    PONTE_RETURN_IF_ERROR(dev->download(rows_i32.data(), dm.rows_out, rows_i32.size() * sizeof(int32_t)));
+    for (int d = 0; d < W; d++) rows_out[d] = static_cast<uint32_t>(rows_i32[d]);
+    memcpy(block(kDispatch, s, 0, me) + hdr_bytes, block(kDispatch, s, 1, me) + hdr_bytes,
+           rows_out[me] * dispatch_row_stride(shape));
+    return Status::Ok();
+  }
+  // Launches the unpack of source r's block of slot s into recv_x (device); counts and begins [L].
+  Status dev_unpack(int s, int r, const int32_t* counts, const int32_t* begins, void* recv_x) {
+    const size_t at = static_cast<size_t>(r) * L;
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.src_counts + at, counts, L * sizeof(int32_t)));
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.begins + at, begins, L * sizeof(int32_t)));
+    return dev->unpack_dispatch_block(shape, block(kDispatch, s, 0, r) + hdr_bytes, headers[r].rows, dm.src_counts + at, r,
+                                      dm.begins + at, recv_x, dm.src_info, dm.pos);
+  }
+  // out (device) from every rank's combine block of slot s; returns once out is written.
+  Status dev_combine(int s, int T, const float* topk_weights, void* out, bool accumulate) {
+    Slot& sl = slots[s];
+    const size_t TK = static_cast<size_t>(T) * cfg.topk;
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.weights, topk_weights, TK * sizeof(float)));
+    PONTE_RETURN_IF_ERROR(dev->upload(dm.routed, sl.routed.data(), static_cast<size_t>(T)));
+    PONTE_RETURN_IF_ERROR(dev->fill(dm.acc, 0, static_cast<size_t>(T) * cfg.hidden * sizeof(float)));
+    for (int d = 0; d < W; d++)
+      PONTE_RETURN_IF_ERROR(dev->reduce_combine_block(shape, block(kCombine, s, 0, d) + hdr_bytes, headers[d].rows,
+                                                      dm.send_map[s] + static_cast<size_t>(d) * max_rows, dm.weights,
+                                                      dm.acc));
+    PONTE_RETURN_IF_ERROR(dev->finish_combine(shape, dm.acc, dm.routed, T, out, accumulate));
+    return dev->sync();
+  }
+
   // Blocks are laid out phase-major; dir 0 incoming (by source), 1 outgoing (by destination).
   size_t block_offset(int phase, int s, int dir, int r) const {
     size_t off = 0;
@@ -195,7 +286,12 @@ EpBuffer::~EpBuffer() {
   Impl& im = *impl_;
   for (auto& sl : im.slots) sl.sends.wait(*im.ci, "EpBuffer teardown").ok();  // writes still reading the arena
   if (im.mr.id) im.ci->engine->deregister(im.mr).ok();
-  free(im.arena);
+  if (im.dev) {
+    for (void* p : im.dev_allocs) im.dev->free(p);
+    im.dev->free_mapped(im.arena);
+  } else {
+    free(im.arena);
+  }
 }
 
 bool EpHandle::valid() const {
@@ -253,7 +349,15 @@ Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpC
   im.block_bytes[kDispatch] = align_up(dispatch_block_bytes(im.shape), 64);
   im.block_bytes[kCombine] = align_up(combine_block_bytes(im.shape), 64);
   im.arena_len = static_cast<size_t>(kSlots) * 2 * W * (im.block_bytes[0] + im.block_bytes[1]);
-  im.arena = static_cast<uint8_t*>(aligned_alloc(4096, align_up(im.arena_len, 4096)));
+  if (cfg.device) {
+    auto a = cfg.device->alloc_mapped(align_up(im.arena_len, 4096));
+    if (!a.ok()) return Status(a.status().code(), "EpBuffer: the %zu-byte arena on %s: %s", im.arena_len, cfg.device->name(),
+                               a.status().message());
+    im.dev = cfg.device;  // from here on the destructor frees through the device
+    im.arena = *a;
+  } else {
+    im.arena = static_cast<uint8_t*>(aligned_alloc(4096, align_up(im.arena_len, 4096)));
+  }
   if (!im.arena) return Status(Code::kResource, "EpBuffer: no memory for a %zu-byte arena", im.arena_len);
   PONTE_ASSIGN_OR_RETURN(im.mr, ci.engine->register_memory(ci.group, im.arena, im.arena_len));
   const size_t per_expert = static_cast<size_t>(W) * cfg.max_tokens;
@@ -276,6 +380,10 @@ Result<std::unique_ptr<EpBuffer>> EpBuffer::create(Communicator& comm, const EpC
   im.headers.assign(W, {});
   im.pack_at.assign(W, nullptr);
   im.waits.reserve(2 * static_cast<size_t>(W) + 2);
+  if (im.dev) {
+    Status ds = im.dev_create();
+    if (!ds.ok()) return Status(ds.code(), "EpBuffer: device scratch on %s: %s", im.dev->name(), ds.message());
+  }
   std::vector<std::vector<uint8_t>> all;
   PONTE_RETURN_IF_ERROR(ci.exchange(im.mr.remote().encode(), &all));
   im.remote.resize(W);
@@ -313,6 +421,8 @@ Result<EpHandle> EpBuffer::dispatch_send_impl(const EpRows& x, std::span<const i
   if (s < 0)
     return Status(Code::kResource, "%s: %d handles are live already (each lives until its combine_recv); a third is refused",
                   what, kSlots);
+  // On a device, x is never read in place (dispatch()'s shortcut): the kernels pack every block.
+  if (im.dev) x_stays = false;
   Impl::Slot& sl = im.slots[s];
   const uint64_t seq = im.next_seq++;
   sl.tokens = T;
@@ -322,9 +432,14 @@ Result<EpHandle> EpBuffer::dispatch_send_impl(const EpRows& x, std::span<const i
     for (int k = 0; k < im.cfg.topk; k++) any |= topk_idx[static_cast<size_t>(t) * im.cfg.topk + k] >= 0;
     sl.routed[t] = any;
   }
-  for (int d = 0; d < im.W; d++) im.pack_at[d] = im.block(kDispatch, s, d == im.me ? 0 : 1, d) + im.hdr_bytes;
-  pack_dispatch(im.shape, x.data, nullptr, topk_idx.data(), T, sl.counts.data(), im.pack_at.data(), im.cursor.data(),
-                im.token_row.data(), sl.send_map.data(), im.rows_out.data(), x_stays ? im.me : -1);
+  if (im.dev) {
+    Status ds = im.dev_pack_dispatch(s, x.data, topk_idx.data(), T);  // the slot is still free if this fails
+    if (!ds.ok()) return Status(ds.code(), "%s: %s", what, ds.message());
+  } else {
+    for (int d = 0; d < im.W; d++) im.pack_at[d] = im.block(kDispatch, s, d == im.me ? 0 : 1, d) + im.hdr_bytes;
+    pack_dispatch(im.shape, x.data, nullptr, topk_idx.data(), T, sl.counts.data(), im.pack_at.data(), im.cursor.data(),
+                  im.token_row.data(), sl.send_map.data(), im.rows_out.data(), x_stays ? im.me : -1);
+  }
   sl.own_x = x_stays ? static_cast<const uint8_t*>(x.data) : nullptr;
   sl.own_x_tokens = T;
   const size_t stride = dispatch_row_stride(im.shape);
@@ -363,7 +478,10 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
   Status st = read_block_header(im.block(kDispatch, h.slot_, 0, me), im.shape, kEpPhaseDispatch,
                                 static_cast<uint32_t>(sl.seq), &im.headers[me], own);
   std::fill(im.scratch_e.begin(), im.scratch_e.begin() + L, 0);
-  if (st.ok())
+  if (st.ok() && im.dev) {
+    st = im.dev->fill(im.dm.src_info, 0xff, sl.src_info.size() * sizeof(int32_t));  // -1 everywhere
+    if (st.ok()) st = im.dev_unpack(h.slot_, me, own, im.scratch_e.data(), recv_x.data);
+  } else if (st.ok())
     st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, me) + im.hdr_bytes, im.headers[me].rows, own, me,
                                im.scratch_e.data(), recv_x.data, nullptr, sl.src_info.data(), im.cursor.data(),
                                sl.own_x, sl.own_x_tokens);
@@ -386,10 +504,19 @@ Status EpBuffer::dispatch_recv(EpHandle& h, const EpRows& recv_x, std::span<int3
   for (int r = 0; r < im.W; r++) {
     if (r == me) continue;
     for (int l = 0; l < L; l++) im.scratch_e[l] = sl.layout[2 * (static_cast<size_t>(l) * im.W + r)];
+    if (im.dev) {
+      st = im.dev_unpack(h.slot_, r, &sl.recv_counts[static_cast<size_t>(r) * L], im.scratch_e.data(), recv_x.data);
+      if (!st.ok()) return im.fail(h, Status(st.code(), "%s: %s", what, st.message()));
+      continue;
+    }
     st = unpack_dispatch_block(im.shape, im.block(kDispatch, h.slot_, 0, r) + im.hdr_bytes, im.headers[r].rows,
                                &sl.recv_counts[static_cast<size_t>(r) * L], r, im.scratch_e.data(), recv_x.data,
                                nullptr, sl.src_info.data(), im.cursor.data());
     if (!st.ok()) return im.fail(h, im.ci->rank_error(r, st, what));
+  }
+  if (im.dev) {  // waits for the unpacks: recv_x is written when this returns
+    st = im.dev->download(sl.src_info.data(), im.dm.src_info, sl.src_info.size() * sizeof(int32_t));
+    if (!st.ok()) return im.fail(h, Status(st.code(), "%s: %s", what, st.message()));
   }
   sl.state = kDispatchReceived;
   return Status::Ok();
@@ -406,6 +533,25 @@ Status EpBuffer::combine_send_impl(EpHandle& h, const EpRows& y, bool y_stays) {
   PONTE_RETURN_IF_ERROR(im.check_rows(y, static_cast<size_t>(im.L) * recv_rows_per_expert(), what, "y"));
   Impl::Slot& sl = im.slots[h.slot_];
   const size_t stride = combine_row_stride(im.shape);
+  if (im.dev) {
+    // Every block (this rank's own into its incoming one) packed by the device, then posted.
+    Status ds = im.dev->upload(im.dm.layout[h.slot_], sl.layout.data(), sl.layout.size() * sizeof(int32_t));
+    for (int r = 0; r < im.W && ds.ok(); r++) {
+      EpBlockHeader& hd = im.headers[r];
+      hd.phase = kEpPhaseCombine;
+      hd.rows = 0;
+      for (int l = 0; l < im.L; l++) hd.rows += static_cast<uint32_t>(sl.layout[2 * (static_cast<size_t>(l) * im.W + r) + 1]);
+      hd.entries = hd.rows;
+      hd.data_bytes = hd.rows * stride;
+      ds = im.dev->pack_combine_block(im.shape, y.data, r, im.dm.layout[h.slot_], hd.rows,
+                                      im.block(kCombine, h.slot_, r == im.me ? 0 : 1, r) + im.hdr_bytes);
+    }
+    if (ds.ok()) ds = im.dev->sync();
+    if (!ds.ok()) return im.fail(h, Status(ds.code(), "%s: %s", what, ds.message()));
+    sl.state = kCombineSent;
+    im.post_blocks(kCombine, h.slot_, static_cast<uint32_t>(sl.seq), sl.recv_counts.data());
+    return Status::Ok();
+  }
   // The other ranks' blocks are packed and posted first, this rank's own after: the peers copy
   // theirs in while this one is packed (only this rank's combine_recv reads it).
   for (int r = 0; r < im.W; r++) {
@@ -452,6 +598,14 @@ Status EpBuffer::combine_recv(EpHandle& h, std::span<const float> topk_weights, 
         break;
       }
   if (!st.ok()) return im.fail(h, st);
+  if (im.dev) {
+    st = im.dev_combine(h.slot_, static_cast<int>(T), topk_weights.data(), out.data, accumulate);
+    if (!st.ok()) return im.fail(h, Status(st.code(), "%s: %s", what, st.message()));
+    sl.state = kFree;
+    sl.seq = 0;
+    h.buf_ = nullptr;
+    return Status::Ok();
+  }
   // Where each (t, k)'s answer landed: row i of d's block answers send_map[d][i] (the counts were
   // checked against what was sent above, so every row and every routed (t, k) is named once).
   const size_t stride = combine_row_stride(im.shape);

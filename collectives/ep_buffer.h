@@ -8,6 +8,7 @@
 #include <span>
 
 #include "collectives/communicator.h"
+#include "collectives/ep_device.h"
 #include "collectives/ep_layout.h"
 #include "core/status.h"
 
@@ -22,6 +23,11 @@ struct EpConfig {
   // Bytes carried with each dispatched row besides its H elements (fp8's per-128-column scales, later).
   // Must be 0 today: kept apart from the row bytes in every size computation (ep_layout.h).
   size_t extra_bytes_per_row = 0;
+  // Where x, recv_x, y and out live: nullptr, host memory; else that device's memory (for CUDA,
+  // ponte::cuda::make_ep_device, collectives/cuda/ep_device_cuda.h), packed and unpacked by its
+  // kernels into and out of an arena it maps (collectives/ep_device.h). topk_idx, topk_weights and
+  // recv_count stay in host memory either way. The device outlives the buffer.
+  EpDevice* device = nullptr;
 };
 
 // A [rows, hidden] row-major matrix of dtype owned by the caller.

@@ -1,0 +1,17 @@
+// The CUDA EpDevice: an EpBuffer whose x, recv_x, y and out are CUDA device memory, its arena
+// host memory the GPU maps (cudaHostAlloc), its packing and unpacking done by ep_kernels.
+#pragma once
+
+#include <memory>
+
+#include "collectives/ep_device.h"
+
+namespace ponte::cuda {
+
+// On CUDA device `device` (-1: the calling thread's current one), launching on `stream` (a
+// cudaStream_t; nullptr: a stream of its own, created here, which waits for the legacy default
+// stream). Each EpBuffer call returns with its kernels done; x and y written on another stream must
+// be complete before the call (synchronize that stream). Outlives every EpBuffer given it.
+Result<std::unique_ptr<EpDevice>> make_ep_device(int device = -1, void* stream = nullptr);
+
+}  // namespace ponte::cuda
