@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -19,6 +20,10 @@
 
 #include "core/engine.h"
 #include "python/src/py_common.h"
+
+#if PY_VERSION_HEX < 0x030A0000
+#error "the ponte module needs Python 3.10 or newer (Py_TPFLAGS_DISALLOW_INSTANTIATION)"
+#endif
 
 namespace ponte::py {
 
@@ -271,7 +276,8 @@ struct Operation {
   }
   bool done() const { return op->cell.done(); }
   void wait(pyb::handle timeout_s) {
-    auto timeout = arg_timeout(timeout_s, "timeout_s");
+    std::optional<std::chrono::nanoseconds> timeout;
+    if (timeout_s.ptr() && !timeout_s.is_none()) timeout = arg_timeout(timeout_s, "timeout_s");
     if (op->cell.done()) {
       poll_once(*eng);
     } else {
@@ -287,9 +293,142 @@ struct Operation {
   }
 };
 
+// ponte.Operation as a plain CPython type, not a pybind11 class: a stream of small operations
+// creates, waits for and drops one per write, and pybind11's per-call dispatch (its type lookups)
+// and per-instance bookkeeping (the registered-instance map) cost more than the rest of the
+// binding's work for such a call. The object embeds the Operation; done() and wait() are
+// vectorcall methods.
+struct PyOperation {
+  PyObject_HEAD
+  alignas(Operation) unsigned char storage[sizeof(Operation)];
+  bool live;  // storage holds an Operation (tp_alloc zeroes the object)
+  Operation* get() { return live ? std::launder(reinterpret_cast<Operation*>(storage)) : nullptr; }
+};
+
+PyTypeObject* g_operation_type = nullptr;
+
+// Runs f (which returns a new reference or nullptr with an error set), turning the binding's C++
+// exceptions into Python ones: nothing may propagate through CPython's C frames.
+template <typename F>
+PyObject* guarded(F&& f) noexcept {
+  try {
+    return f();
+  } catch (pyb::error_already_set& e) {
+    e.restore();
+  } catch (const pyb::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "ponte: unknown C++ exception");
+  }
+  return nullptr;
+}
+
+Operation* operation_of(PyObject* self) {
+  Operation* o = reinterpret_cast<PyOperation*>(self)->get();
+  if (!o) PyErr_SetString(PyExc_ValueError, "ponte.Operation: not made by an engine call");
+  return o;
+}
+
+void operation_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  if (Operation* o = reinterpret_cast<PyOperation*>(self)->get()) {
+    // ~Operation parks or recycles the OpState (GIL held, as here); an error it raises (none is
+    // expected) must not escape a deallocator.
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    try {
+      o->~Operation();
+    } catch (...) {
+    }
+    PyErr_Restore(et, ev, tb);
+  }
+  type->tp_free(self);
+  Py_DECREF(type);  // a heap type's instances hold a reference to it
+}
+
+PyObject* operation_done(PyObject* self, PyObject*) {
+  Operation* o = operation_of(self);
+  if (!o) return nullptr;
+  return PyBool_FromLong(o->done());
+}
+
+PyObject* operation_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  Operation* o = operation_of(self);
+  if (!o) return nullptr;
+  PyObject* timeout = nullptr;
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs + nkw > 1) {
+    PyErr_Format(PyExc_TypeError, "wait() takes at most 1 argument (timeout_s), %zd given", nargs + nkw);
+    return nullptr;
+  }
+  if (nargs == 1) timeout = args[0];
+  if (nkw == 1) {
+    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout_s") != 0) {
+      PyErr_Format(PyExc_TypeError, "wait() got an unexpected keyword argument '%U'", PyTuple_GET_ITEM(kwnames, 0));
+      return nullptr;
+    }
+    timeout = args[0];
+  }
+  return guarded([&]() -> PyObject* {
+    o->wait(pyb::handle(timeout));
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* operation_repr(PyObject* self) {
+  Operation* o = reinterpret_cast<PyOperation*>(self)->get();
+  if (!o) return PyUnicode_FromString("<ponte.Operation (empty)>");
+  return PyUnicode_FromFormat("<ponte.Operation %s %s>", o->what, o->done() ? "done" : "in flight");
+}
+
+PyMethodDef g_operation_methods[] = {
+    {"done", operation_done, METH_NOARGS, "Whether the operation has ended (successfully or not); never blocks."},
+    {"wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(operation_wait)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "wait(timeout_s=None)\n--\n\nWaits (with the GIL released) until the operation ends. Raises "
+     "``ponte.Error`` if it failed, ``TimeoutError`` if ``timeout_s`` passed first (the operation is then "
+     "still in flight). ``None`` waits until the engine ends it."},
+    {nullptr, nullptr, 0, nullptr}};
+
+// Makes ponte.Operation (once, by bind_engine) and adds it to the module.
+void add_operation_type(pyb::module_& m) {
+  static PyType_Slot slots[] = {
+      {Py_tp_dealloc, reinterpret_cast<void*>(operation_dealloc)},
+      {Py_tp_repr, reinterpret_cast<void*>(operation_repr)},
+      {Py_tp_methods, g_operation_methods},
+      {Py_tp_doc, const_cast<char*>("One asynchronous engine operation. It ends exactly once, with success or "
+                                    "an error; the engine ends every operation within ``PONTE_TIMEOUT_MS``.")},
+      {0, nullptr}};
+  static PyType_Spec spec = {"ponte._ponte.Operation", static_cast<int>(sizeof(PyOperation)), 0,
+                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (!type) throw pyb::error_already_set();
+  g_operation_type = reinterpret_cast<PyTypeObject*>(type);
+  m.add_object("Operation", pyb::reinterpret_steal<pyb::object>(type));
+  Py_INCREF(type);  // g_operation_type's own reference, kept for the process's life
+}
+
+// A new ponte.Operation owning op.
+pyb::object make_operation(OpState* op, std::shared_ptr<EngineState> es, const char* what) {
+  PyObject* obj = g_operation_type->tp_alloc(g_operation_type, 0);
+  if (!obj) {
+    // Not wrapped: the engine still fires op's cell; park it like a dropped Operation.
+    if (op->cell.done()) es->recycle(op); else es->orphan(op);
+    throw pyb::error_already_set();
+  }
+  auto* po = reinterpret_cast<PyOperation*>(obj);
+  new (po->storage) Operation(op, std::move(es), what);
+  po->live = true;
+  return pyb::reinterpret_steal<pyb::object>(obj);
+}
+
 // Submits with f(notify) and wraps the op; retries back-pressure (kAgain) with the GIL released.
 template <typename F>
-std::unique_ptr<Operation> submit(const std::shared_ptr<EngineState>& es, std::unique_ptr<OpState> op,
+pyb::object submit(const std::shared_ptr<EngineState>& es, std::unique_ptr<OpState> op,
                                   const char* what, F&& f) {
   Engine& eng = es->live(what);
   if (op->region) {
@@ -319,7 +458,7 @@ std::unique_ptr<Operation> submit(const std::shared_ptr<EngineState>& es, std::u
   // while Python computes.
   if (es->engine) es->engine->start_submitted(kGroup);
   if (!es->orphans.empty() && es->orphans.size() >= es->sweep_at) es->sweep();
-  return std::make_unique<Operation>(op.release(), es, what);
+  return make_operation(op.release(), es, what);
 }
 
 RemoteRegion decode_remote(pyb::handle obj, const char* name) {
@@ -341,7 +480,10 @@ RemoteRegion EngineState::remote(pyb::handle obj, const char* name) {
   return r;
 }
 
+const std::shared_ptr<RegionState>* region_holder(PyObject* obj);
+
 std::shared_ptr<RegionState> arg_region(pyb::handle obj, const char* name) {
+  if (const std::shared_ptr<RegionState>* h = region_holder(obj.ptr())) return *h;
   if (!pyb::isinstance<RegionState>(obj))
     raise_type("%s must be a ponte.Region (register the memory first with Engine.register), not %s", name,
                Py_TYPE(obj.ptr())->tp_name);
@@ -448,6 +590,98 @@ void close_all() {
 }
 
 
+
+// ---- Engine.write as a vectorcall method (see PyOperation for why): the write stream is the
+// call Python makes most often. Engine and Region stay pybind11 classes; their holders are read
+// through pybind11's instance layout with type_info looked up once.
+const pyb::detail::type_info* g_engine_tinfo = nullptr;
+const pyb::detail::type_info* g_region_tinfo = nullptr;
+
+template <typename T>
+const std::shared_ptr<T>* holder_of(PyObject* obj, const pyb::detail::type_info* ti) {
+  if (!ti || !PyObject_TypeCheck(obj, ti->type)) return nullptr;
+  auto vh = reinterpret_cast<pyb::detail::instance*>(obj)->get_value_and_holder(ti, /*throw_if_missing=*/false);
+  if (!vh.inst || !vh.vh || !vh.value_ptr() || !vh.holder_constructed()) return nullptr;  // __init__ did not run
+  return &vh.holder<std::shared_ptr<T>>();
+}
+
+// Fills out[i] for the named parameters from a vectorcall's arguments (nullptr: not given);
+// TypeError for too many, unknown or repeated arguments and for a missing required one.
+bool parse_args(const char* fn, const char* const* names, int n, int required, PyObject* const* args,
+                Py_ssize_t nargs, PyObject* kwnames, PyObject** out) {
+  for (int i = 0; i < n; i++) out[i] = nullptr;
+  if (nargs > n) {
+    PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, n, nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; k++) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+    int i = 0;
+    while (i < n && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) i++;
+    if (i == n) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
+      return false;
+    }
+    if (out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, names[i]);
+      return false;
+    }
+    out[i] = args[nargs + k];
+  }
+  for (int i = 0; i < required; i++)
+    if (!out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+      return false;
+    }
+  return true;
+}
+
+pyb::object engine_write(const std::shared_ptr<EngineState>& s, pyb::handle peer, pyb::handle region,
+                         pyb::handle offset, pyb::handle nbytes, pyb::handle remote, pyb::handle remote_offset,
+                         pyb::handle imm) {
+  auto op = s->new_op();
+  op->region = arg_region(region, "region");
+  uint32_t p = arg_u32(peer, "peer");
+  size_t off = arg_size(offset, "offset"), len = arg_size(nbytes, "nbytes");
+  size_t roff = arg_size(remote_offset, "remote_offset");
+  auto imm_v = imm.ptr() ? arg_opt_u32(imm, "imm") : std::nullopt;
+  const MemoryRegion& mr = op->region->live("region");
+  check_range(off, len, mr.len, "offset", "local region");
+  RemoteRegion dst = s->remote(remote, "remote");
+  check_range(roff, len, dst.len, "remote_offset", "remote region");
+  uint32_t iv = imm_v.value_or(0);
+  const uint32_t* ip = imm_v ? &iv : nullptr;
+  return submit(s, std::move(op), "write", [&](Engine& e, Notify n) {
+    return e.write(kGroup, p, LocalSlice{&mr, off, len}, dst, roff, ip, n);
+  });
+}
+
+const std::shared_ptr<RegionState>* region_holder(PyObject* obj) { return holder_of<RegionState>(obj, g_region_tinfo); }
+
+PyObject* engine_write_fast(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static const char* const names[] = {"peer", "region", "offset", "nbytes", "remote", "remote_offset", "imm"};
+  PyObject* a[7];
+  if (!parse_args("write", names, 7, 6, args, nargs, kwnames, a)) return nullptr;
+  const std::shared_ptr<EngineState>* s = holder_of<EngineState>(self, g_engine_tinfo);
+  if (!s || !*s) {
+    PyErr_SetString(PyExc_TypeError, "write() needs a constructed ponte.Engine");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    return engine_write(*s, a[0], a[1], a[2], a[3], a[4], a[5], a[6]).release().ptr();
+  });
+}
+
+PyMethodDef g_engine_write_def = {
+    "write", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(engine_write_fast)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "write(peer, region, offset, nbytes, remote, remote_offset, imm=None)\n--\n\n"
+    "One-sided write of ``nbytes`` at ``offset`` of ``region`` to ``remote`` (a peer's descriptor bytes) at "
+    "``remote_offset``. With ``imm`` (a u32) the target's counters see it "
+    "``imms_per_write(peer, nbytes)`` times when all the data has landed. Returns an Operation."};
+
 }  // namespace
 
 Config engine_config(const pyb::kwargs& kw) {
@@ -489,17 +723,7 @@ void bind_engine(pyb::module_& m) {
   namespace py = pybind11;
   using EnginePtr = std::shared_ptr<EngineState>;
 
-  py::class_<Operation>(m, "Operation",
-                        "One asynchronous engine operation. It ends exactly once, with success or an "
-                        "error; the engine ends every operation within ``PONTE_TIMEOUT_MS``.")
-      .def("done", &Operation::done, "Whether the operation has ended (successfully or not); never blocks.")
-      .def("wait", &Operation::wait, py::arg("timeout_s") = py::none(),
-           "Waits (with the GIL released) until the operation ends. Raises ``ponte.Error`` if it failed, "
-           "``TimeoutError`` if ``timeout_s`` passed first (the operation is then still in flight). "
-           "``None`` waits until the engine ends it.")
-      .def("__repr__", [](const Operation& o) {
-        return std::string("<ponte.Operation ") + o.what + (o.done() ? " done>" : " in flight>");
-      });
+  add_operation_type(m);
 
   m.def(
       "wait_all",
@@ -509,9 +733,10 @@ void bind_engine(pyb::module_& m) {
         std::vector<Operation*> list;
         std::vector<py::object> keep;
         for (py::handle h : ops) {
-          if (!py::isinstance<Operation>(h)) raise_type("ops must hold ponte.Operation objects, not %s", Py_TYPE(h.ptr())->tp_name);
+          Operation* o = PyObject_TypeCheck(h.ptr(), g_operation_type) ? reinterpret_cast<PyOperation*>(h.ptr())->get() : nullptr;
+          if (!o) raise_type("ops must hold ponte.Operation objects, not %s", Py_TYPE(h.ptr())->tp_name);
           keep.push_back(py::reinterpret_borrow<py::object>(h));
-          list.push_back(h.cast<Operation*>());
+          list.push_back(o);
         }
         const Operation* failed = nullptr;
         for (Operation* o : list) {
@@ -613,28 +838,6 @@ void bind_engine(pyb::module_& m) {
            "Registers ``buf`` (a writable contiguous object with the buffer protocol, such as a numpy array or "
            "bytearray, or a contiguous CPU torch tensor) on every NIC of the group. The Region keeps ``buf`` "
            "alive; do not resize it while registered.")
-      .def("write", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle offset, py::handle nbytes,
-                       py::handle remote, py::handle remote_offset, py::handle imm) {
-        auto op = s->new_op();
-        op->region = arg_region(region, "region");
-        uint32_t p = arg_u32(peer, "peer");
-        size_t off = arg_size(offset, "offset"), len = arg_size(nbytes, "nbytes");
-        size_t roff = arg_size(remote_offset, "remote_offset");
-        auto imm_v = arg_opt_u32(imm, "imm");
-        const MemoryRegion& mr = op->region->live("region");
-        check_range(off, len, mr.len, "offset", "local region");
-        RemoteRegion dst = s->remote(remote, "remote");
-        check_range(roff, len, dst.len, "remote_offset", "remote region");
-        uint32_t iv = imm_v.value_or(0);
-        const uint32_t* ip = imm_v ? &iv : nullptr;
-        return submit(s, std::move(op), "write", [&](Engine& e, Notify n) {
-          return e.write(kGroup, p, LocalSlice{&mr, off, len}, dst, roff, ip, n);
-        });
-      }, py::arg("peer"), py::arg("region"), py::arg("offset"), py::arg("nbytes"), py::arg("remote"),
-           py::arg("remote_offset"), py::arg("imm") = py::none(),
-           "One-sided write of ``nbytes`` at ``offset`` of ``region`` to ``remote`` (a peer's descriptor bytes) at "
-           "``remote_offset``. With ``imm`` (a u32) the target's counters see it "
-           "``imms_per_write(peer, nbytes)`` times when all the data has landed. Returns an Operation.")
       .def("read", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle offset, py::handle nbytes,
                       py::handle remote, py::handle remote_offset) {
         auto op = s->new_op();
@@ -773,6 +976,17 @@ void bind_engine(pyb::module_& m) {
         return std::string("<ponte.Engine ") + backend_name(s.engine->backend()) + ", " +
                std::to_string(s.engine->nics_in_group(kGroup)) + " NIC(s)>";
       });
+
+  // Engine.write: the vectorcall method above in place of a pybind11 one.
+  g_engine_tinfo = py::detail::get_type_info(typeid(EngineState));
+  g_region_tinfo = py::detail::get_type_info(typeid(RegionState));
+  py::object engine_cls = m.attr("Engine");
+  PyObject* descr = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine_cls.ptr()), &g_engine_write_def);
+  if (!descr || PyObject_SetAttrString(engine_cls.ptr(), "write", descr) != 0) {
+    Py_XDECREF(descr);
+    throw py::error_already_set();
+  }
+  Py_DECREF(descr);
 
   m.def("_close_all", &close_all, "Closes every open engine (run at interpreter exit).");
 }

@@ -180,6 +180,46 @@ def test_operation_api(self_link):
     assert issubclass(ponte.Error, RuntimeError)
 
 
+def test_vectorcall_write_and_operation_arguments(self_link):
+    """Engine.write, Operation.wait and Operation.done are plain CPython methods (not pybind11's):
+    their argument handling is the binding's own, so check it like pybind11's."""
+    eng, reg, pid, desc = self_link
+    # Keywords, in any order, and imm=None spelled out, all work.
+    eng.write(peer=pid, region=reg, offset=0, nbytes=8, remote=desc, remote_offset=16).wait(timeout_s=10)
+    eng.write(pid, reg, 0, 8, remote_offset=16, remote=desc, imm=None).wait(10)
+    op = eng.write(pid, reg, 0, 8, desc, 16)
+    assert op.wait() is None and op.wait(None) is None and op.done() is True
+    with pytest.raises(TypeError, match="missing required argument 'remote_offset'"):
+        eng.write(pid, reg, 0, 8, desc)
+    with pytest.raises(TypeError, match="at most 7 arguments"):
+        eng.write(pid, reg, 0, 8, desc, 0, None, 1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bytes'"):
+        eng.write(pid, reg, 0, 8, desc, 0, bytes=3)
+    with pytest.raises(TypeError, match="multiple values for argument 'offset'"):
+        eng.write(pid, reg, 0, 8, desc, 0, offset=1)
+    with pytest.raises(TypeError, match="peer must be an integer"):
+        eng.write("x", reg, 0, 8, desc, 0)
+    with pytest.raises(TypeError):  # the method checks its self, as any method does
+        ponte.Engine.write(object(), pid, reg, 0, 8, desc, 0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout'"):
+        op.wait(timeout=1)
+    with pytest.raises(TypeError, match="at most 1 argument"):
+        op.wait(1, 2)
+    with pytest.raises(ValueError, match="timeout_s"):
+        op.wait(-1)
+    with pytest.raises(TypeError, match="timeout_s"):
+        op.wait(timeout_s="soon")
+    with pytest.raises(TypeError, match="cannot create"):
+        ponte.Operation()
+    with pytest.raises(TypeError):
+        op.done(1)
+    # An Operation outlives its engine's Python name, and dropping many in flight is safe.
+    ops = [eng.write(pid, reg, 0, 8, desc, 16) for _ in range(200)]
+    del ops
+    eng.write(pid, reg, 0, 8, desc, 16).wait(10)
+    assert "ponte.Operation write" in repr(eng.write(pid, reg, 0, 8, desc, 16))
+
+
 def test_every_public_name_has_a_docstring_and_a_stub():
     import ast
     import os
