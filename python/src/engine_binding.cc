@@ -214,6 +214,7 @@ void RegionState::close() {
 // waited for went from 9.6 to 6.7-7.5 us per write, an 8-byte write and its wait from 46 to 9 us).
 // The GIL is released by the caller.
 constexpr auto kPollWindow = std::chrono::milliseconds(1);
+void note_pass(const Engine* eng, Clock::time_point at);  // see poll_once
 
 void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point end) {
   std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: just sleep
@@ -224,6 +225,7 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
   uint32_t passes = 0;
   while (!cell.done() && !es.closing.load(std::memory_order_relaxed)) {
     if (eng->progress(kGroup)) {
+      note_pass(eng, Clock::now());
       passes = 0;
       continue;
     }
@@ -248,13 +250,32 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
 // and the worker, seeing no poller for 200 us, took the data path back. A thread that did not
 // poll just now (it computed) does not start polling here: the worker moves the data. Not on shm,
 // where waits do not poll.
+//
+// At most one such pass per kPassGap per thread and engine: each pass that finds one completion
+// costs tcp;ofi_rxm a signal write(2) and read(2) (its CQ's wait object is signalled after every
+// completion and reset by the next poll; bench/README), so a stream whose waits each found their
+// write done paid both per write. Passes kPassGap apart reap several at a time and keep the
+// thread the poller (polled_here: a pass within 200 us). Waits for an operation not yet done
+// (poll_until_done) pass as often as they need.
+constexpr auto kPassGap = std::chrono::microseconds(50);
+thread_local const Engine* tl_pass_engine = nullptr;  // the engine of this thread's last pass
+thread_local Clock::time_point tl_pass_at;             // ... and when it ran
+
+void note_pass(const Engine* eng, Clock::time_point at) {
+  tl_pass_engine = eng;
+  tl_pass_at = at;
+}
+
 void poll_once(EngineState& es) {
+  const auto now = Clock::now();
+  if (tl_pass_engine == es.engine.get() && now - tl_pass_at < kPassGap) return;
   std::shared_lock lock(es.users, std::try_to_lock);  // close() holds it exclusively: nothing to do
   if (!lock.owns_lock()) return;
   Engine* eng = es.engine.get();
   if (!eng || es.closing.load(std::memory_order_relaxed) || !eng->polled_here(kGroup)) return;
   pyb::gil_scoped_release nogil;
   eng->progress(kGroup);
+  note_pass(eng, now);
 }
 
 // The Python handle of an OpState.
