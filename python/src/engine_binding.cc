@@ -60,6 +60,9 @@ struct EngineState {
   }
   void close();
   void orphan(OpState* op);
+  // Lets go of op, whose Python handle is gone (or never made): recycled when it has ended, else
+  // parked until it does.
+  void release(OpState* op);
   void sweep();
   std::unique_ptr<OpState> new_op();
   void recycle(OpState* op);  // op has ended; nothing else holds it
@@ -120,6 +123,14 @@ std::unique_ptr<OpState> EngineState::new_op() {
   std::unique_ptr<OpState> op(spare.back());
   spare.pop_back();
   return op;
+}
+
+void EngineState::release(OpState* op) {
+  if (op->cell.done()) {
+    recycle(op);
+  } else {
+    orphan(op);
+  }
 }
 
 void EngineState::recycle(OpState* op) {
@@ -288,12 +299,7 @@ struct Operation {
   Operation(const Operation&) = delete;
   Operation& operator=(const Operation&) = delete;
   ~Operation() {
-    if (!op) return;
-    if (op->cell.done()) {
-      eng->recycle(op);
-    } else {
-      eng->orphan(op);
-    }
+    if (op) eng->release(op);
   }
   bool done() const { return op->cell.done(); }
   void wait(pyb::handle timeout_s) {
@@ -377,23 +383,45 @@ PyObject* operation_done(PyObject* self, PyObject*) {
   return PyBool_FromLong(o->done());
 }
 
+// Fills out[i] for the named parameters from a vectorcall's arguments (nullptr: not given);
+// TypeError for too many, unknown or repeated arguments and for a missing required one.
+bool parse_args(const char* fn, const char* const* names, int n, int required, PyObject* const* args,
+                Py_ssize_t nargs, PyObject* kwnames, PyObject** out) {
+  for (int i = 0; i < n; i++) out[i] = nullptr;
+  if (nargs > n) {
+    PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, n, nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; k++) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+    int i = 0;
+    while (i < n && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) i++;
+    if (i == n) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
+      return false;
+    }
+    if (out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, names[i]);
+      return false;
+    }
+    out[i] = args[nargs + k];
+  }
+  for (int i = 0; i < required; i++)
+    if (!out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+      return false;
+    }
+  return true;
+}
+
 PyObject* operation_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static const char* const names[] = {"timeout_s"};
+  PyObject* timeout;
+  if (!parse_args("wait", names, 1, 0, args, nargs, kwnames, &timeout)) return nullptr;
   Operation* o = operation_of(self);
   if (!o) return nullptr;
-  PyObject* timeout = nullptr;
-  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  if (nargs + nkw > 1) {
-    PyErr_Format(PyExc_TypeError, "wait() takes at most 1 argument (timeout_s), %zd given", nargs + nkw);
-    return nullptr;
-  }
-  if (nargs == 1) timeout = args[0];
-  if (nkw == 1) {
-    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout_s") != 0) {
-      PyErr_Format(PyExc_TypeError, "wait() got an unexpected keyword argument '%U'", PyTuple_GET_ITEM(kwnames, 0));
-      return nullptr;
-    }
-    timeout = args[0];
-  }
   return guarded([&]() -> PyObject* {
     o->wait(pyb::handle(timeout));
     Py_RETURN_NONE;
@@ -437,8 +465,7 @@ void add_operation_type(pyb::module_& m) {
 pyb::object make_operation(OpState* op, std::shared_ptr<EngineState> es, const char* what) {
   PyObject* obj = g_operation_type->tp_alloc(g_operation_type, 0);
   if (!obj) {
-    // Not wrapped: the engine still fires op's cell; park it like a dropped Operation.
-    if (op->cell.done()) es->recycle(op); else es->orphan(op);
+    es->release(op);  // not wrapped: the engine still fires op's cell
     throw pyb::error_already_set();
   }
   auto* po = reinterpret_cast<PyOperation*>(obj);
@@ -624,39 +651,6 @@ const std::shared_ptr<T>* holder_of(PyObject* obj, const pyb::detail::type_info*
   auto vh = reinterpret_cast<pyb::detail::instance*>(obj)->get_value_and_holder(ti, /*throw_if_missing=*/false);
   if (!vh.inst || !vh.vh || !vh.value_ptr() || !vh.holder_constructed()) return nullptr;  // __init__ did not run
   return &vh.holder<std::shared_ptr<T>>();
-}
-
-// Fills out[i] for the named parameters from a vectorcall's arguments (nullptr: not given);
-// TypeError for too many, unknown or repeated arguments and for a missing required one.
-bool parse_args(const char* fn, const char* const* names, int n, int required, PyObject* const* args,
-                Py_ssize_t nargs, PyObject* kwnames, PyObject** out) {
-  for (int i = 0; i < n; i++) out[i] = nullptr;
-  if (nargs > n) {
-    PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, n, nargs);
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
-  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  for (Py_ssize_t k = 0; k < nkw; k++) {
-    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
-    int i = 0;
-    while (i < n && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) i++;
-    if (i == n) {
-      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
-      return false;
-    }
-    if (out[i]) {
-      PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, names[i]);
-      return false;
-    }
-    out[i] = args[nargs + k];
-  }
-  for (int i = 0; i < required; i++)
-    if (!out[i]) {
-      PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
-      return false;
-    }
-  return true;
 }
 
 pyb::object engine_write(const std::shared_ptr<EngineState>& s, pyb::handle peer, pyb::handle region,

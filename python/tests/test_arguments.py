@@ -213,7 +213,7 @@ def test_vectorcall_write_and_operation_arguments(self_link):
         ponte.Operation()
     with pytest.raises(TypeError):
         op.done(1)
-    # An Operation outlives its engine's Python name, and dropping many in flight is safe.
+    # Dropping many Operations while their writes are in flight is safe (their state is parked).
     ops = [eng.write(pid, reg, 0, 8, desc, 16) for _ in range(200)]
     del ops
     eng.write(pid, reg, 0, 8, desc, 16).wait(10)
