@@ -307,13 +307,14 @@ static Status check_peer(const NicGroup* g, PeerId p) {
 
 // One write (striped over the peer's NICs unless whole), checked and submitted.
 static Status submit_write(NicGroup* g, int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
-                           size_t dst_offset, const uint32_t* imm, bool whole, Notify done) {
+                           size_t dst_offset, const uint32_t* imm, bool whole, bool behind, Notify done) {
   PONTE_RETURN_IF_ERROR(check_peer(g, peer));
   PONTE_RETURN_IF_ERROR(check_local(src, group));
   PONTE_RETURN_IF_ERROR(check_remote(dst, dst_offset, src.len));
   Op op;
   op.type = Op::kWrite;
   op.whole = whole;
+  op.behind = behind;
   op.peer = peer;
   op.mr = src.mr;
   op.offset = src.offset;
@@ -329,13 +330,13 @@ static Status submit_write(NicGroup* g, int group, PeerId peer, const LocalSlice
 Status Engine::write(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst, size_t dst_offset,
                      const uint32_t* imm, Notify done) {
   PONTE_GROUP_OR_RETURN(g, group);
-  return submit_write(g, group, peer, src, dst, dst_offset, imm, false, done);
+  return submit_write(g, group, peer, src, dst, dst_offset, imm, false, false, done);
 }
 
 Status Engine::write_imm_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
-                               size_t dst_offset, uint32_t imm, Notify done) {
+                               size_t dst_offset, uint32_t imm, Notify done, bool behind) {
   PONTE_GROUP_OR_RETURN(g, group);
-  return submit_write(g, group, peer, src, dst, dst_offset, &imm, true, done);
+  return submit_write(g, group, peer, src, dst, dst_offset, &imm, true, behind, done);
 }
 
 // Engine::read and read_each_nic: count 0 reads through one NIC, else through that many.

@@ -159,8 +159,11 @@ class Engine {
   // A write with imm that is never striped: one NIC, so exactly one immediate (unless longer than
   // the largest shard), whatever either end's PONTE_STRIPE_MIN. For protocol messages whose
   // immediates the target counts without knowing the writer's settings.
+  // With `behind`, the write lets the small operations (64 KiB at most) that start after it in the
+  // same pass go out first: for a protocol message that no one waits for now (NCCL's clear-to-send
+  // for a later message) queued just before a small message that someone does wait for.
   Status write_imm_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
-                         size_t dst_offset, uint32_t imm, Notify done);
+                         size_t dst_offset, uint32_t imm, Notify done, bool behind = false);
   // RDMA read of len bytes from src+src_offset into dst.
   Status read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
               size_t src_offset, Notify done);

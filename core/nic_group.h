@@ -29,6 +29,7 @@ struct Op {
   Type type = kWrite;
   bool has_imm = false;
   bool whole = false;  // kWrite: never striped over NICs (Engine::write_imm_whole)
+  bool behind = false;  // kWrite: posted after the other operations runnable in the same pass
   uint32_t imm = 0;
   PeerId peer = 0;
   Notify done;
@@ -225,6 +226,7 @@ class NicGroup {
   bool drain_queue();
   void start_op(const Op& op);
   bool post_runnable();
+  bool post_sweep(bool rest, bool* skipped);
   enum class PostResult { kPosted, kWait, kFailed };
   PostResult post_shard(Slot& s, uint32_t slot_index);
   void on_completion(int nic, const Completion& c);

@@ -260,12 +260,41 @@ NicGroup::PostResult NicGroup::post_shard(Slot& s, uint32_t si) {
   return PostResult::kFailed;
 }
 
+// Posts what the runnable slots have left, in the order they started, except that a `behind` write
+// (Engine::write_imm_whole) lets the small operations that started after it in the same pass go
+// first: on one connection (tcp, an RC QP) a small message then goes on the wire ahead of the
+// clear-to-send queued just before it, which its receiver does not wait for yet. Not a large
+// write: a clear-to-send held behind megabytes would stall its peer's next message.
 bool NicGroup::post_runnable() {
+  bool skipped = false;
+  bool did = post_sweep(false, &skipped);
+  if (skipped) did |= post_sweep(true, &skipped);
+  return did;
+}
+
+namespace {
+constexpr size_t kOvertakeMaxBytes = 64 << 10;  // what may pass a behind write (the plugin's small message)
+bool overtakes(const Op& op) {
+  return !op.behind && (op.type == Op::kWrite || op.type == Op::kImm || op.type == Op::kSend) &&
+         op.len <= kOvertakeMaxBytes;
+}
+}  // namespace
+
+// One sweep of the runnable FIFO. The first (rest false) passes over the behind writes and, once
+// it has, over whatever may not overtake them (*skipped says whether it passed over any); the
+// second posts what is left, in order.
+bool NicGroup::post_sweep(bool rest, bool* skipped) {
   bool did = false;
   uint32_t prev = kNoSlot;
   for (uint32_t i = run_head_; i != kNoSlot;) {
     Slot& s = slots_[i];
     uint32_t next = s.run_next;
+    if (!rest && (s.op.behind || (*skipped && !overtakes(s.op)))) {
+      *skipped = true;
+      prev = i;
+      i = next;
+      continue;
+    }
     PostResult r = PostResult::kPosted;
     while (s.next_shard < s.shards) {
       r = post_shard(s, i);
