@@ -50,11 +50,16 @@ struct LogRecord {
   std::mutex mu;
   std::vector<std::string> lines;
   bool echo = getenv("PONTE_TEST_ECHO_LOG") != nullptr;
-  bool contains(const std::string& s) {
+  // Whether a line logged (since line `from`) contains s.
+  bool contains(const std::string& s, size_t from = 0) {
     std::lock_guard<std::mutex> lock(mu);
-    for (auto& l : lines)
-      if (l.find(s) != std::string::npos) return true;
+    for (size_t i = from; i < lines.size(); i++)
+      if (lines[i].find(s) != std::string::npos) return true;
     return false;
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return lines.size();
   }
   std::string first() {
     std::lock_guard<std::mutex> lock(mu);

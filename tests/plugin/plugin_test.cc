@@ -962,6 +962,7 @@ TEST(PluginProcesses, ReceiverKilledMidStreamFailsTheSender) {
   ASSERT_TRUE(peer.channel().recv(&handle));
   void* send = nullptr;
   ASSERT_OK(connect_comm(net, 0, handle.data(), &send));
+  const size_t log_from = log_record().size();
   Buffer src(net, send, 4 * kMiB);
   fill(src.data(), 4 * kMiB, 3);
   int sent = 0;
@@ -999,8 +1000,23 @@ TEST(PluginProcesses, ReceiverKilledMidStreamFailsTheSender) {
   EXPECT_TRUE(failure == kRemoteError || failure == kSystemError)
       << "sender did not see the receiver die (result " << failure << ", " << sent << " sent)";
   net->close_send(send);
-  // The plugin still connects afterwards.
+  // On shm a receiver killed inside its region's lock leaves the lock held (libfabric 1.17), and
+  // the sender's next post there never returns: the watchdog wedges the device within
+  // PONTE_TIMEOUT_MS (the error above came from that), and a wedged device takes no more work
+  // (ShmWedge in tests/liveness/stopped_peer_test.cc). Then a new connection must fail at once. On
+  // tcp;ofi_rxm nothing wedges, and the plugin still connects afterwards.
+  const char* provider = getenv("PONTE_FABRIC_PROVIDER");
+  const bool on_shm = provider && std::string(provider) == "shm";
   Pair q;
+  if (log_record().contains("is wedged", log_from)) {
+    ASSERT_TRUE(on_shm) << "the device wedged off shm: a provider call never returned";
+    printf("[ NOTE ] shm: the killed receiver left its region lock held (libfabric 1.17); the device "
+           "wedged as designed, so instead of a reconnect this checks that connecting fails at once\n");
+    const auto t = Clock::now();
+    EXPECT_NE(connect_pair(net, 0, 0, &q), kSuccess);
+    EXPECT_LT(Clock::now() - t, 2s) << "connecting on a wedged device did not fail at once";
+    return;
+  }
   ASSERT_OK(connect_pair(net, 0, 0, &q));
   close_pair(net, &q);
 }
