@@ -29,7 +29,7 @@ struct Op {
   Type type = kWrite;
   bool has_imm = false;
   bool whole = false;  // kWrite: never striped over NICs (Engine::write_imm_whole)
-  bool behind = false;  // kWrite: posted after the other operations runnable in the same pass
+  bool behind = false;  // kWrite: small ops that start after it in the same pass go first (post_runnable)
   uint32_t imm = 0;
   PeerId peer = 0;
   Notify done;

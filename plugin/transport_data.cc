@@ -266,7 +266,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
   // Behind: a small isend that follows in the same pass goes on the wire first (NCCL's proxy posts
   // the next receive just before a send; at depth 1, 8 B ping-pong half round trip against
-  // aws-ofi-nccl on tcp;ofi_rxm went from 1.33-1.36x to 1.18-1.22x).
+  // aws-ofi-nccl on tcp;ofi_rxm went from 1.33-1.36x to 1.18-1.26x).
   Status st = e.write_imm_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes,
                           imm_value(false, c->remote_comm_id, number),
                           Notify{&op_done, r}, /*behind=*/true);

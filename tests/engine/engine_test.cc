@@ -790,6 +790,16 @@ TEST_P(EngineTest, ABehindWriteLetsASmallWriteStartedBesideItGoFirst) {
   start();
   constexpr size_t kX = 144, kY = 64, kZ = 256 << 10;  // a one-buffer CTS, a small message, a large one
   constexpr size_t kZoff = 1 << 20;
+  struct Seen {  // when one write completed, in the order of the pair's completions
+    std::atomic<int>* seq;
+    std::atomic<int>* failed;
+    std::atomic<int> at{-1};
+    static void fire(void* a, const Status& st) {
+      auto* s = static_cast<Seen*>(a);
+      if (!st.ok()) (*s->failed)++;
+      s->at = (*s->seq)++;
+    }
+  };
   struct Pair {
     Engine* eng;
     PeerId peer;
@@ -797,34 +807,20 @@ TEST_P(EngineTest, ABehindWriteLetsASmallWriteStartedBesideItGoFirst) {
     RemoteRegion dst;
     bool behind;
     size_t base;
-    std::atomic<int> seq{0}, x_at{-1}, y_at{-1}, z_at{-1}, failed{0};
+    std::atomic<int> seq{0}, failed{0};
+    Seen x{&seq, &failed}, y{&seq, &failed}, z{&seq, &failed};
     std::atomic<bool> submitted{false};
-    static void x_done(void* a, const Status& st) {
-      auto* p = static_cast<Pair*>(a);
-      if (!st.ok()) p->failed++;
-      p->x_at = p->seq++;
-    }
-    static void y_done(void* a, const Status& st) {
-      auto* p = static_cast<Pair*>(a);
-      if (!st.ok()) p->failed++;
-      p->y_at = p->seq++;
-    }
-    static void z_done(void* a, const Status& st) {
-      auto* p = static_cast<Pair*>(a);
-      if (!st.ok()) p->failed++;
-      p->z_at = p->seq++;
-    }
     static void start_all(void* a, const Status& st) {  // on the worker: all three start in place
       auto* p = static_cast<Pair*>(a);
       Status x = st;
       if (x.ok())
         x = p->eng->write_imm_whole(0, p->peer, LocalSlice{p->mr, p->base, kX}, p->dst, p->base, 7001,
-                                    Notify{&Pair::x_done, p}, p->behind);
+                                    Notify{&Seen::fire, &p->x}, p->behind);
       Status y = x.ok() ? p->eng->write_imm(0, p->peer, LocalSlice{p->mr, p->base + kX, kY}, p->dst, p->base + kX,
-                                            7002, Notify{&Pair::y_done, p})
+                                            7002, Notify{&Seen::fire, &p->y})
                         : x;
       Status z = y.ok() ? p->eng->write(0, p->peer, LocalSlice{p->mr, kZoff, kZ}, p->dst, kZoff,
-                                        Notify{&Pair::z_done, p})
+                                        Notify{&Seen::fire, &p->z})
                         : y;
       if (!z.ok()) p->failed += 10;
       p->submitted = true;
@@ -838,20 +834,20 @@ TEST_P(EngineTest, ABehindWriteLetsASmallWriteStartedBesideItGoFirst) {
       Pair pair{eng_.get(), ids_[0], &mr_, peers_[0]->region(), behind, base};
       ASSERT_TRUE(eng_->imm(0, ids_[0], 7000, Notify{&Pair::start_all, &pair}).ok());
       auto deadline = std::chrono::steady_clock::now() + 20s;
-      while ((pair.x_at < 0 || pair.y_at < 0 || pair.z_at < 0) && pair.failed == 0 &&
+      while ((pair.x.at < 0 || pair.y.at < 0 || pair.z.at < 0) && pair.failed == 0 &&
              std::chrono::steady_clock::now() < deadline)
         std::this_thread::sleep_for(100us);
       ASSERT_TRUE(pair.submitted) << "the completion callback did not run";
       ASSERT_EQ(pair.failed, 0) << (behind ? "behind" : "control") << " round " << round;
-      ASSERT_GE(pair.x_at, 0);
-      ASSERT_GE(pair.y_at, 0);
-      ASSERT_GE(pair.z_at, 0);
+      ASSERT_GE(pair.x.at, 0);
+      ASSERT_GE(pair.y.at, 0);
+      ASSERT_GE(pair.z.at, 0);
       if (behind) {
-        EXPECT_LT(pair.y_at, pair.x_at) << "round " << round << ": the behind write went out first";
+        EXPECT_LT(pair.y.at, pair.x.at) << "round " << round << ": the behind write went out first";
       } else {
-        EXPECT_LT(pair.x_at, pair.y_at) << "control round " << round << ": the writes did not keep their order";
+        EXPECT_LT(pair.x.at, pair.y.at) << "control round " << round << ": the writes did not keep their order";
       }
-      EXPECT_LT(pair.x_at, pair.z_at) << "round " << round << ": a large write went out ahead of the "
+      EXPECT_LT(pair.x.at, pair.z.at) << "round " << round << ": a large write went out ahead of the "
                                       << (behind ? "behind " : "") << "write started before it";
       EXPECT_EQ(peers_[0]->cmd("check " + std::to_string(base) + " " + std::to_string(kX + kY) + " " +
                                std::to_string(40 + round) + " 0"),
