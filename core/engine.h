@@ -114,8 +114,10 @@ class Engine {
   bool peer_ready(int group, PeerId peer) const;
   // How many times the connection to peer was rebuilt (a new handshake round after it broke:
   // verbs QPs in error, a provider's lost connection). Operations in flight across a rebuild end
-  // with an error, and what they carried may or may not have landed; once a count has been read
-  // and peer_ready() is true again, nothing sent over the older connections can still land.
+  // with an error (on verbs kTransport, the QP's flush; on libfabric kCancelled, the old round's
+  // peer address removed under them), and what they carried may or may not have landed; once a
+  // count has been read and peer_ready() is true again, nothing sent over the older connections
+  // can still land.
   uint32_t peer_epoch(int group, PeerId peer) const;
   // Whether nothing more will come from peer: it died, or it closed its engine and the grace
   // for its last writes (250 ms, or PONTE_TIMEOUT_MS if shorter) has passed, or it stopped (its

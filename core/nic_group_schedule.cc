@@ -353,8 +353,14 @@ void NicGroup::on_completion(int nic, const Completion& c) {
         // error, a provider's lost connection), it is rebuilt through a new handshake round; an
         // error of one operation alone (libfabric refusing one write) leaves the connection and
         // every other operation on it alone.
+        // kCancelled: the NIC ended it because its peer's address was removed (libfabric, when a
+        // handshake round is torn down or the peer leaves: FabricNic::remove_peer).
         PeerId peer = (s.op.type == Op::kScatter || s.op.type == Op::kBarrier) ? kAnyPeer : s.op.peer;
-        fail_slot(i, c.error, c.op_only ? "the NIC refused the operation" : "the NIC reported a failed completion");
+        const char* why = c.op_only ? "the NIC refused the operation"
+                          : c.error == Code::kCancelled
+                              ? "ended when its connection was torn down (new round, or the peer left)"
+                              : "the NIC reported a failed completion";
+        fail_slot(i, c.error, why);
         if (c.error == Code::kTransport && !c.op_only && peer != kAnyPeer && peer < kMaxPeers)
           start_reconnect(peer, "a transfer failed");
         return;

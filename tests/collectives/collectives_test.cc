@@ -228,6 +228,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesDeathTest, ::testing::ValuesIn(param
 
 int main(int argc, char** argv) {
   setenv("FI_TCP_IFACE", "lo", 0);
+  setenv("FI_UDP_IFACE", "lo", 0);
   setenv("FI_SOCKETS_IFACE", "lo", 0);
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);

@@ -604,6 +604,7 @@ INSTANTIATE_TEST_SUITE_P(Shm, ShmWedge, ::testing::Values(setup_by_name("shm")),
 
 int main(int argc, char** argv) {
   setenv("FI_TCP_IFACE", "lo", 0);  // loopback only
+  setenv("FI_UDP_IFACE", "lo", 0);
   setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc - 1, argv + 1);
   ::testing::InitGoogleTest(&argc, argv);

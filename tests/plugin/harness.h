@@ -35,6 +35,7 @@ inline void set_test_environment() {
   setenv("PONTE_BACKEND", "fabric", 0);
   setenv("PONTE_FABRIC_PROVIDER", "tcp;ofi_rxm", 0);
   setenv("FI_TCP_IFACE", "lo", 0);
+  setenv("FI_UDP_IFACE", "lo", 0);
   setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
   setenv("PONTE_TIMEOUT_MS", "5000", 0);
 }
