@@ -16,6 +16,7 @@
 #include "tests/collectives/alloc_counter.h"
 #include "tests/collectives/scenarios.h"
 #include "tests/collectives/world.h"
+#include "tests/common/loopback.h"
 #include "tests/common/setups.h"
 
 using namespace ponte;
@@ -227,9 +228,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesDeathTest, ::testing::ValuesIn(param
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);
-  setenv("FI_UDP_IFACE", "lo", 0);
-  setenv("FI_SOCKETS_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

@@ -19,6 +19,7 @@
 #include "collectives/ep_buffer.h"
 #include "tests/collectives/scenarios.h"
 #include "tests/collectives/world.h"
+#include "tests/common/loopback.h"
 #include "tests/common/setups.h"
 
 using namespace ponte;
@@ -259,7 +260,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, EpCudaBuffer,
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

@@ -7,12 +7,13 @@
 
 #include "collectives/mpi_allgather.h"
 #include "tests/collectives/scenarios.h"
+#include "tests/common/loopback.h"
 
 using namespace ponte;
 using namespace ponte::test;
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   MPI_Init(&argc, &argv);
   int rank = 0, world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -14,6 +14,7 @@
 
 #include "core/engine.h"
 #include "core/group_address.h"
+#include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
 #include "tests/common/region_peer.h"
 #include "tests/common/setups.h"
@@ -991,10 +992,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(setups()),
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Tests stay on loopback: libfabric's tcp provider would otherwise pick eth0.
-  setenv("FI_TCP_IFACE", "lo", 0);
-  setenv("FI_UDP_IFACE", "lo", 0);
-  setenv("FI_SOCKETS_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "core/engine.h"
+#include "tests/common/loopback.h"
 #include "tests/common/page_buffer.h"
 #include "tests/common/pattern.h"
 #include "tests/common/peer_process.h"
@@ -465,7 +466,7 @@ TEST(ShmLeftovers, RegionsOfADeadProcessWithOurPidAreSteppedOver) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   if (argc >= 3 && std::string(argv[1]) == "--ponte-peer") {
     Channel ch(3);
     const std::string role = argv[2];

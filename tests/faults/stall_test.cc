@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "tests/common/loopback.h"
 #include "tests/common/pattern.h"
 
 using namespace ponte;
@@ -100,7 +101,7 @@ TEST(WorkerStall, WorkSubmittedAfterAStallGetsItsWholeTimeout) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

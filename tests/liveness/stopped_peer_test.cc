@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/engine.h"
+#include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
 #include "tests/common/region_peer.h"
 #include "tests/common/setups.h"
@@ -603,8 +604,7 @@ INSTANTIATE_TEST_SUITE_P(Shm, ShmWedge, ::testing::Values(setup_by_name("shm")),
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("FI_TCP_IFACE", "lo", 0);  // loopback only
-  setenv("FI_UDP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
   if (argc >= 2 && std::string(argv[1]) == "--ponte-peer") return run_peer(argc - 1, argv + 1);
   ::testing::InitGoogleTest(&argc, argv);

@@ -22,6 +22,7 @@
 
 #include "plugin/nccl_net_abi.h"
 
+#include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
 
 namespace ponte::plugin_test {
@@ -34,8 +35,7 @@ using Clock = std::chrono::steady_clock;
 inline void set_test_environment() {
   setenv("PONTE_BACKEND", "fabric", 0);
   setenv("PONTE_FABRIC_PROVIDER", "tcp;ofi_rxm", 0);
-  setenv("FI_TCP_IFACE", "lo", 0);
-  setenv("FI_UDP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
   setenv("PONTE_TIMEOUT_MS", "5000", 0);
 }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
 
 namespace ponte::soak {
@@ -271,7 +272,7 @@ inline Snapshot decode_snapshot(const std::string& t) {
 inline void set_loopback_environment(const std::string& provider, const char* timeout_ms) {
   setenv("PONTE_BACKEND", "fabric", 0);
   setenv("PONTE_FABRIC_PROVIDER", provider.c_str(), 1);
-  setenv("FI_TCP_IFACE", "lo", 0);
+  ponte::test::keep_test_traffic_on_loopback();
   setenv("PONTE_CTRL_ADDR", "127.0.0.1", 0);
   setenv("PONTE_TIMEOUT_MS", timeout_ms, 0);
 #ifdef PONTE_FICOUNT_SO
