@@ -3,12 +3,14 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <poll.h>
 #include <string>
@@ -120,6 +122,10 @@ class PeerProcess {
   int wait_exit(int timeout_ms) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     while (pid_ > 0) {
+      siginfo_t info{};
+      if (waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+          info.si_pid == pid_ && (info.si_code == CLD_KILLED || info.si_code == CLD_DUMPED))
+        remove_shm_regions();
       int st = 0;
       pid_t r = waitpid(pid_, &st, WNOHANG);
       if (r == pid_) {
@@ -133,6 +139,17 @@ class PeerProcess {
   }
 
  private:
+  // libfabric's shm names its regions "/PID:UID:INDEX" in /dev/shm and a process killed by a
+  // signal leaves them there. A test that killed its peer removes them while the peer is a zombie
+  // (its pid not yet free for reuse), so that runs of the suite do not fill /dev/shm.
+  void remove_shm_regions() const {
+    for (int idx = 0; idx < 64; ++idx) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "/%d:%u:%d", static_cast<int>(pid_), static_cast<unsigned>(getuid()), idx);
+      shm_unlink(name);
+    }
+  }
+
   pid_t pid_ = -1;
   Channel ch_;
 };
