@@ -456,6 +456,47 @@ int shm_leftover_peer(Channel& ch) {
   return 0;
 }
 
+// A peer with an shm engine that stays up until it is killed: it reports its pid's region names.
+int shm_hold_peer(Channel& ch) {
+  EngineOptions o;
+  o.config = global_config();
+  o.config.backend = BackendChoice::kFabric;
+  o.config.fabric_provider = "shm";
+  o.config.ctrl_addr = "127.0.0.1";
+  o.groups = {{0}};
+  auto eng = Engine::create(o);
+  if (!eng.ok()) return ch.send_str(std::string("engine: ") + eng.status().message()), 3;
+  ch.send_str("up");
+  std::string never;
+  ch.recv_str(&never, 600000);  // killed before this returns
+  return 0;
+}
+
+bool shm_region_exists(pid_t pid) {
+  const std::string name = "/" + std::to_string(pid) + ":" + std::to_string(getuid()) + ":0";
+  int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+// The suite's own hygiene: a peer killed with SIGKILL leaves its shm regions in /dev/shm, and
+// PeerProcess removes them when it reaps the peer, so that runs of the suite do not fill /dev/shm
+// (and hand later processes with that pid a dead region, as in CI once).
+TEST(ShmLeftovers, AKilledPeersRegionsAreRemovedWhenItIsReaped) {
+  if (verbs()) GTEST_SKIP() << "libfabric shm only (this run is the verbs backend's)";
+  PeerProcess p({"shm-hold"});
+  std::string up;
+  ASSERT_TRUE(p.channel().recv_str(&up, 60000)) << "the process died";
+  ASSERT_EQ(up, "up");
+  const pid_t pid = p.pid();
+  ASSERT_TRUE(shm_region_exists(pid)) << "the peer's shm engine has no region named for its pid";
+  p.kill();
+  p.wait_exit(30000);
+  ASSERT_FALSE(p.started()) << "the killed peer was not reaped within 30 s";
+  EXPECT_FALSE(shm_region_exists(pid)) << "the killed peer's region is still in /dev/shm";
+}
+
 TEST(ShmLeftovers, RegionsOfADeadProcessWithOurPidAreSteppedOver) {
   if (verbs()) GTEST_SKIP() << "libfabric shm only (this run is the verbs backend's)";
   PeerProcess p({"shm-leftover"});
@@ -474,6 +515,7 @@ int main(int argc, char** argv) {
     const std::string role = argv[2];
     if (role == "memlock") return memlock_peer(ch);
     if (role == "shm-leftover") return shm_leftover_peer(ch);
+    if (role == "shm-hold") return shm_hold_peer(ch);
     return fd_peer(ch);
   }
   ::testing::InitGoogleTest(&argc, argv);
