@@ -74,5 +74,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(r2.ok() && *r2 == *r);
     FUZZ_CHECK(std::memcmp(again, rec.get(), 20) == 0);
   }
+  // A blank record is never a size record, and encoding one gives a blank of that request.
+  uint32_t number = 0;  // where a record holds its request number (wire.h)
+  std::memcpy(&number, rec.get() + 12, sizeof(number));
+  if (is_blank_record(rec.get(), number)) FUZZ_CHECK(!r.ok());
+  uint8_t blank[kRecordBytes];
+  encode_blank_record(number, blank);
+  FUZZ_CHECK(is_blank_record(blank, number) && !is_blank_record(blank, number + 1) && !decode_record(blank).ok());
   return 0;
 }

@@ -148,6 +148,10 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   // record's shard count tells the receiver which (wire.h).
   const bool offered = c->elems[i].inline_data && c->head_n == 1;
   const bool copy = offered && (len == 0 || (len <= global_config().net_inline && m->kind == MemKind::kHost));
+  const uint32_t shards = len > 0 && !copy ? e.imms_per_write(d->group, c->peer, len) : 0;
+  // A message that fills the receiver's one buffer in one write carries the record immediate
+  // and needs no record (wire.h: whole-buffer messages).
+  const bool whole = shards == 1 && c->head_n == 1 && len == c->elems[i].size;
   const size_t islot = c->head % kMaxRequests;
   if (copy && c->inline_user[islot] >= 0 &&
       c->reqs[c->inline_user[islot]].pending.load(std::memory_order_acquire) != 0)
@@ -160,22 +164,24 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   r->dst = c->regions[i];
   r->record_unsubmitted = false;
   r->record_imm = imm_value(true, c->remote_comm_id, c->head);
-  SizeRecord rec;
-  rec.size = len;
-  rec.shards = len > 0 && !copy ? e.imms_per_write(d->group, c->peer, len) : 0;
-  rec.request_number = static_cast<uint32_t>(c->head);
-  r->record_src_offset = copy ? static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes
-                              : static_cast<size_t>(r->index) * kRecordBytes;
-  r->record_dst_offset = offered ? inline_slot_offset(c->head) : record_offset(c->head, i);
-  r->record_len = kRecordBytes;
-  encode_record(rec, c->outbox.ptr + r->record_src_offset);
-  if (copy && len > 0) {
-    std::memcpy(c->outbox.ptr + r->record_src_offset + kRecordBytes, data, len);
-    r->record_len += len;
+  if (!whole) {
+    SizeRecord rec;
+    rec.size = len;
+    rec.shards = shards;
+    rec.request_number = static_cast<uint32_t>(c->head);
+    r->record_src_offset = copy ? static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes
+                                : static_cast<size_t>(r->index) * kRecordBytes;
+    r->record_dst_offset = offered ? inline_slot_offset(c->head) : record_offset(c->head, i);
+    r->record_len = kRecordBytes;
+    encode_record(rec, c->outbox.ptr + r->record_src_offset);
+    if (copy && len > 0) {
+      std::memcpy(c->outbox.ptr + r->record_src_offset + kRecordBytes, data, len);
+      r->record_len += len;
+    }
   }
 
   if (len > 0 && !copy) {
-    const uint32_t data_imm = imm_value(false, c->remote_comm_id, c->head);
+    const uint32_t data_imm = whole ? r->record_imm : imm_value(false, c->remote_comm_id, c->head);
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
     if (!start_op(c, r)) return refusal(c);
     hold(r, m);
@@ -187,7 +193,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
       return st;
     }
   }
-  Status st = post_record(c, r);
+  Status st = whole ? Status::Ok() : post_record(c, r);
   if (st.code() == Code::kAgain) {
     r->record_unsubmitted = true;  // test() posts it
   } else if (!st.ok()) {
@@ -261,6 +267,12 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   r->inline_data = inl;
   r->inline_dst = inl ? data[0] : nullptr;
   r->shards = 0;
+  r->whole = false;
+  // One buffer: its record slot is blanked before the CTS goes out, so that a message filling
+  // the buffer can come without a record (wire.h: whole-buffer messages).
+  if (n == 1)
+    encode_blank_record(static_cast<uint32_t>(number),
+                        c->records.ptr + (inl ? inline_slot_offset(number) : record_offset(number, 0)));
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
   if (!start_op(c, r)) return refusal(c);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
@@ -433,6 +445,11 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
         const uint8_t* base =
             rc->records.ptr + (q->inline_data ? inline_slot_offset(q->number) : record_offset(q->number, 0));
         for (int i = 0; i < q->n; ++i) {
+          if (q->n == 1 && q->posted[0] > 0 && is_blank_record(base, static_cast<uint32_t>(q->number))) {
+            q->received[0] = q->posted[0];  // the record immediate came with the whole buffer
+            q->whole = true;
+            break;
+          }
           auto rec = decode_record(base + static_cast<size_t>(i) * kRecordBytes);
           if (!rec.ok() || rec->request_number != static_cast<uint32_t>(q->number) ||
               rec->size > q->posted[i] ||
@@ -451,7 +468,7 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
       // Data behind the record (no shards) is copied out; the slot is not reused before this
       // request ends. With shards it went into the buffer.
-      if (q->inline_data && q->shards == 0 && q->received[0] > 0)
+      if (q->inline_data && !q->whole && q->shards == 0 && q->received[0] > 0)
         std::memcpy(q->inline_dst, rc->records.ptr + inline_slot_offset(q->number) + kRecordBytes,
                     q->received[0]);
       e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));

@@ -15,7 +15,8 @@
 //
 // Nothing depends on the order in which writes land: the receiver first waits for all size
 // records of a request (record immediates), reads the number of data shards from them, then waits
-// for that many data immediates.
+// for that many data immediates. A message that fills a one-buffer receive in one write carries
+// the record immediate itself, and no record follows (the slot stays blank: wire.h).
 //
 // Handshakes are retried: connect() sends CONNECT again when its send failed and, while no answer
 // came, every kConnectResendMs (doubling to kConnectResendMaxMs); the listening side knows every
@@ -161,6 +162,7 @@ struct RecvRequest : Request {
   bool inline_data = false;  // its CTS offered the inline slot: the record is there
   void* inline_dst = nullptr;  // ... and data behind it (a record without shards) is copied here
   uint32_t shards = 0;
+  bool whole = false;  // the data came without a record, filling the buffer (wire.h)
   uint64_t posted[kMaxRecvs] = {};
   uint64_t received[kMaxRecvs] = {};
 };

@@ -343,6 +343,17 @@ void encode_record(const SizeRecord& r, uint8_t* out) {
   put_header(out + 16, 'S', kRecordBytes);
 }
 
+void encode_blank_record(uint32_t request_number, uint8_t* out) {
+  std::memset(out, 0, kRecordBytes);
+  put<uint32_t>(out + 12, request_number);
+  put_header(out + 16, 'B', kRecordBytes);
+}
+
+bool is_blank_record(const uint8_t* in, uint32_t request_number) {
+  return in[16] == kWireVersion && in[17] == 'B' && get<uint16_t>(in + 18) == kRecordBytes &&
+         get<uint32_t>(in + 12) == request_number;
+}
+
 Result<SizeRecord> decode_record(const uint8_t* in) {
   if (in[16] != kWireVersion || in[17] != 'S' || get<uint16_t>(in + 18) != kRecordBytes)
     return Status(Code::kInvalidArgument, "size record: version %u kind 0x%02x length %u", in[16],

@@ -12,8 +12,9 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 4;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
-                                     // 4: the inline slot is offered (any buffer size), the sender picks
+constexpr uint8_t kWireVersion = 5;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
+                                     // 4: the inline slot is offered (any buffer size), the sender picks;
+                                     // 5: a message that fills its one buffer may come without a record
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -199,6 +200,12 @@ Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* 
 // after (not ordered with) the data, with the request's record immediate.
 //   u64 size sent, u32 data shards, u32 request number, u8 version, u8 kind 'S', u16 length (32),
 //   12 pad (32 bytes)
+// Whole-buffer messages: a one-buffer receive blanks its record slot (kind 'B', its request
+// number) before it sends its CTS. A message that fills that buffer and goes in one write (one
+// immediate: Engine::imms_per_write) carries the record immediate itself and no record follows:
+// the record immediate arrived and the slot still blank means the whole buffer landed. One write
+// per message instead of two. Write-with-immediate makes a write's bytes visible before its
+// immediate, so a record that was sent is always read, never the blank.
 constexpr size_t kRecordBytes = 32;
 constexpr size_t kRecordArea = kMaxRequests * kMaxRecvs * kRecordBytes;
 
@@ -226,5 +233,8 @@ struct SizeRecord {
 };
 void encode_record(const SizeRecord& r, uint8_t* out);
 Result<SizeRecord> decode_record(const uint8_t* in);
+// The blank a one-buffer receive leaves in its record slot, and whether a slot holds it.
+void encode_blank_record(uint32_t request_number, uint8_t* out);
+bool is_blank_record(const uint8_t* in, uint32_t request_number);
 
 }  // namespace ponte::plugin

@@ -1127,6 +1127,38 @@ TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
   }
 }
 
+// A message that fills its one receive buffer in one write comes without a size record (the
+// record immediate rides on the data); one the sender stripes (two immediates) or one that does
+// not fill the buffer comes with a record. The sender alone decides, from its own striping: with
+// PONTE_STRIPE_MIN=0 at one end only, both directions still move every byte, and each receive
+// reports the size sent, whether it filled the buffer or not.
+TEST(PluginProcesses, WholeBufferMessagesWithOrWithoutARecordWhateverTheStriping) {
+  set_test_environment();
+  Net net;
+  ASSERT_OK(net.init_result);
+  VDeviceProps vp{};
+  vp.ndevs = 2;
+  int dev = -1;
+  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  const std::vector<size_t> sizes = {65536, 4097, kMiB, 5000, 4 * kMiB + 3, 65536, 1, 8 * kMiB};
+  {  // we send (default striping: whole, unstriped messages go without a record) to a striping receiver
+    Peer peer({"recv", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
+    ASSERT_NO_FATAL_FAILURE(send_to_receiving_peer(net, dev, sizes, peer));
+  }
+  {  // the peer sends striped (every data write has two immediates: records always)
+    Peer peer({"send", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, dev, sizes, peer, 0));
+  }
+  {  // buffers larger than the messages: never whole, records always
+    Peer peer({"send", join_sizes(sizes), "2"});
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, dev, sizes, peer, 100));
+  }
+  {  // buffers of exactly the messages' sizes, default striping at both ends
+    Peer peer({"send", join_sizes(sizes), "2"});
+    ASSERT_NO_FATAL_FAILURE(receive_from_sending_peer(net, dev, sizes, peer, 0));
+  }
+}
+
 // A receiver offers its inline slot (its CTS says so) and a sender takes it or not: ends that
 // differ in PONTE_NET_INLINE still move every byte, both ways. A receiver that makes no offer gets
 // records in record slots; one whose offer the sender declines gets the record in the inline slot

@@ -290,6 +290,21 @@ TEST(PluginWire, SizeRecordRoundTrip) {
   EXPECT_FALSE(decode_record(zeros).ok());
 }
 
+// A blank record (a one-buffer receive's slot before anything was written there) is never read
+// as a size record, is its own request's only, and a size record written over it is not blank.
+TEST(PluginWire, BlankRecordIsNotASizeRecord) {
+  uint8_t b[kRecordBytes];
+  encode_blank_record(77, b);
+  EXPECT_TRUE(is_blank_record(b, 77));
+  EXPECT_FALSE(is_blank_record(b, 77 + kMaxRequests));  // the slot's next request: still blank from before
+  EXPECT_FALSE(decode_record(b).ok());
+  encode_record(SizeRecord{0, 0, 77}, b);
+  EXPECT_FALSE(is_blank_record(b, 77));
+  EXPECT_TRUE(decode_record(b).ok());
+  uint8_t zeros[kRecordBytes] = {};
+  EXPECT_FALSE(is_blank_record(zeros, 0));
+}
+
 TEST(PluginWire, ImmediateValuesAreDistinctAndBounded) {
   std::set<uint32_t> seen;
   for (uint32_t comm = 1; comm <= kMaxCommId; ++comm)
