@@ -931,14 +931,19 @@ TEST(PluginProcesses, TwoProcessesBothDirectionsByteForByte) {
   }
 }
 
+// An initialised plugin's virtual device over its first n devices (NICs), for a process test.
+void virtual_device(const Net& net, int n, int* dev) {
+  ASSERT_OK(net.init_result);
+  VDeviceProps vp{};
+  vp.ndevs = n;
+  ASSERT_OK(net->make_vdevice(dev, &vp));
+}
+
 TEST(PluginProcesses, TwoProcessesFourNicDevicesThroughBootstrap) {
   set_test_environment();
   Net net;
-  ASSERT_OK(net.init_result);
-  VDeviceProps vp{};
-  vp.ndevs = 4;
   int dev = -1;
-  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  ASSERT_NO_FATAL_FAILURE(virtual_device(net, 4, &dev));
   const std::vector<size_t> sizes = {0, 5000, 3 * kMiB + 1, 16 * kMiB};
   Peer peer({"recv", join_sizes(sizes), "4"});
   ASSERT_TRUE(peer.started());
@@ -1111,11 +1116,8 @@ TEST(PluginProcesses, TwoProcessesDeregisterAndCloseMidTransferTenRounds) {
 TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
   set_test_environment();
   Net net;
-  ASSERT_OK(net.init_result);
-  VDeviceProps vp{};
-  vp.ndevs = 2;
   int dev = -1;
-  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  ASSERT_NO_FATAL_FAILURE(virtual_device(net, 2, &dev));
   const std::vector<size_t> sizes(40, 3000);
   {  // the peer receives (writes CTS entries striped)
     Peer peer({"recv", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
@@ -1135,11 +1137,8 @@ TEST(PluginProcesses, ProtocolWritesCountAloneWhenStripeSettingsDiffer) {
 TEST(PluginProcesses, WholeBufferMessagesWithOrWithoutARecordWhateverTheStriping) {
   set_test_environment();
   Net net;
-  ASSERT_OK(net.init_result);
-  VDeviceProps vp{};
-  vp.ndevs = 2;
   int dev = -1;
-  ASSERT_OK(net->make_vdevice(&dev, &vp));
+  ASSERT_NO_FATAL_FAILURE(virtual_device(net, 2, &dev));
   const std::vector<size_t> sizes = {65536, 4097, kMiB, 5000, 4 * kMiB + 3, 65536, 1, 8 * kMiB};
   {  // we send (default striping: whole, unstriped messages go without a record) to a striping receiver
     Peer peer({"recv", join_sizes(sizes), "2"}, {"PONTE_STRIPE_MIN=0"});
