@@ -76,6 +76,13 @@ class Channel {
   int fd_;
 };
 
+// The name libfabric's shm gives region idx of process pid: "/PID:UID:INDEX" in /dev/shm.
+inline std::string shm_region_name(pid_t pid, int idx) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "/%d:%u:%d", static_cast<int>(pid), static_cast<unsigned>(getuid()), idx);
+  return name;
+}
+
 class PeerProcess {
  public:
   // Starts this test binary again as a peer: `exe --ponte-peer ARGS...` with the channel on fd 3 and
@@ -139,15 +146,11 @@ class PeerProcess {
   }
 
  private:
-  // libfabric's shm names its regions "/PID:UID:INDEX" in /dev/shm and a process killed by a
-  // signal leaves them there. A test that killed its peer removes them while the peer is a zombie
-  // (its pid not yet free for reuse), so that runs of the suite do not fill /dev/shm.
+  // A process killed by a signal leaves its shm regions (shm_region_name) in /dev/shm. A test
+  // that killed its peer removes them while the peer is a zombie (its pid not yet free for
+  // reuse), so that runs of the suite do not fill /dev/shm.
   void remove_shm_regions() const {
-    for (int idx = 0; idx < 64; ++idx) {
-      char name[64];
-      std::snprintf(name, sizeof(name), "/%d:%u:%d", static_cast<int>(pid_), static_cast<unsigned>(getuid()), idx);
-      shm_unlink(name);
-    }
+    for (int idx = 0; idx < 64; ++idx) shm_unlink(shm_region_name(pid_, idx).c_str());
   }
 
   pid_t pid_ = -1;

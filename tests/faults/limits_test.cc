@@ -413,7 +413,7 @@ TEST_F(FdLimitTest, AcceptWithoutDescriptorsRestsThePortThenRecovers) {
 int shm_leftover_peer(Channel& ch) {
   std::vector<std::string> planted;
   for (int idx = 0; idx < 4; idx++) {
-    const std::string name = "/" + std::to_string(getpid()) + ":" + std::to_string(getuid()) + ":" + std::to_string(idx);
+    const std::string name = shm_region_name(getpid(), idx);
     // A name that is there already was left by a dead process that had our pid (no live one
     // can have it): that is the case under test, so it is used as it is.
     int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, 0600);
@@ -456,7 +456,7 @@ int shm_leftover_peer(Channel& ch) {
   return 0;
 }
 
-// A peer with an shm engine that stays up until it is killed: it reports its pid's region names.
+// A peer with an shm engine that stays up until it is killed: it says "up" once the engine is.
 int shm_hold_peer(Channel& ch) {
   EngineOptions o;
   o.config = global_config();
@@ -473,8 +473,7 @@ int shm_hold_peer(Channel& ch) {
 }
 
 bool shm_region_exists(pid_t pid) {
-  const std::string name = "/" + std::to_string(pid) + ":" + std::to_string(getuid()) + ":0";
-  int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  int fd = shm_open(shm_region_name(pid, 0).c_str(), O_RDONLY, 0);
   if (fd < 0) return false;
   close(fd);
   return true;
