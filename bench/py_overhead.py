@@ -6,6 +6,8 @@
 Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with ``--window``
 (default 16) in flight, from Python (``ponte.Engine.write`` + ``Operation.wait``) and from
 ``ponte-bench --op write`` (C++; its completions submit the next write on the engine's worker).
+A third row (``--batch B``, default 4; 0 leaves it out) writes the same stream from Python with
+``paged_write``, B writes per call and window / B calls in flight.
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
 (the machine is shared). Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
 sending process per write over the timed loop: Python's counts every thread (its waits included);
@@ -80,8 +82,12 @@ def target_proc(conn, provider, size, window, build):
         conn.send("error: %r" % (e,))
 
 
-def python_stream(provider, size, window, iters, build):
-    """One Python run: verify, then the timed stream. Returns GB/s, Mops."""
+def python_stream(provider, size, window, iters, build, batch=1):
+    """One Python run: verify, then the timed stream. Returns GB/s, Mops.
+
+    batch 1: one ``write`` per 64 KiB write, the oldest waited for when window are in flight.
+    batch B > 1: ``paged_write`` of B slots per call (B writes, one Operation), window // B calls in
+    flight: what a Python user moving many equal pieces (KV-cache pages) writes."""
     import numpy as np
     import ponte
     ctx = mp.get_context("spawn")
@@ -100,7 +106,11 @@ def python_stream(provider, size, window, iters, build):
         seed = 11
         src[:] = (np.arange(size * window, dtype=np.uint64) * 7 + seed).astype(np.uint8)
         per = eng.imms_per_write(peer, size)
-        ops = [eng.write(peer, reg, k * size, size, remote, k * size, imm=1) for k in range(window)]
+        if batch == 1:
+            ops = [eng.write(peer, reg, k * size, size, remote, k * size, imm=1) for k in range(window)]
+        else:  # the path the timed loop takes, each batch's pages landing where they will
+            ops = [eng.paged_write(peer, reg, list(range(k, k + batch)), remote, list(range(k, k + batch)), size, imm=1)
+                   for k in range(0, window, batch)]
         parent.send(("verify", 1, per * window, seed))
         ponte.wait_all(ops, 60)
         answer = parent.recv() if parent.poll(90) else "no answer"
@@ -113,13 +123,24 @@ def python_stream(provider, size, window, iters, build):
             raise RuntimeError("python stream: target: " + str(armed))
         # The stream: window writes in flight; the oldest is waited for, then the next submitted.
         inflight = collections.deque()
-        write = eng.write
         t0, p0 = time.perf_counter(), time.process_time()
-        for i in range(iters):
-            if len(inflight) == window:
-                inflight.popleft().wait()
-            off = (i % window) * size
-            inflight.append(write(peer, reg, off, size, remote, off))
+        if batch == 1:
+            write = eng.write
+            for i in range(iters):
+                if len(inflight) == window:
+                    inflight.popleft().wait()
+                off = (i % window) * size
+                inflight.append(write(peer, reg, off, size, remote, off))
+        else:
+            paged = eng.paged_write
+            calls = window // batch
+            pages = [np.arange(k * batch, (k + 1) * batch, dtype=np.uint32) for k in range(calls)]
+            for i in range(iters // batch):
+                if len(inflight) == calls:
+                    inflight.popleft().wait()
+                pg = pages[i % calls]
+                inflight.append(paged(peer, reg, pg, remote, pg, size))
+            iters = iters // batch * batch
         while inflight:
             inflight.popleft().wait()
         dt, cpu = time.perf_counter() - t0, time.process_time() - p0
@@ -162,6 +183,8 @@ def main():
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4,
+                    help="also a Python row with paged_write of this many writes per call (0: no such row)")
     ap.add_argument("--build", default=None)
     ap.add_argument("--ep", choices=["auto", "off"], default="auto", help="also dispatch+combine vs ep-bench")
     ap.add_argument("--ep-world", type=int, default=2)
@@ -180,29 +203,40 @@ def main():
     if not os.access(bench, os.X_OK):
         sys.exit("py_overhead: %s is missing (ninja -C %s ponte-bench)" % (bench, build))
     size = parse_size(a.size)
+    if a.batch < 0 or a.batch == 1 or (a.batch and a.window % a.batch):
+        sys.exit("py_overhead: --batch must be 0 or a divisor of --window larger than 1")
     failed = False
     print("py_overhead: %d-byte writes, window %d, %d per run, best of %d (two processes on loopback)"
           % (size, a.window, a.iters, a.repeat))
     print("%-14s %-8s %10s %10s %10s %12s" % ("provider", "who", "BW[GB/s]", "Mops", "us/op", "proc_us/op"))
     for provider in a.providers.split(","):
-        runs = {"ponte-bench": [], "python": []}
+        pyb = "py-b%d" % a.batch
+        whos = ("ponte-bench", "python", pyb) if a.batch else ("ponte-bench", "python")
+        runs = {who: [] for who in whos}
         for _ in range(a.repeat):
-            for who in ("ponte-bench", "python"):
+            for who in whos:
                 try:
                     if who == "python":
                         runs[who].append(python_stream(provider, size, a.window, a.iters, build))
+                    elif who == pyb:
+                        runs[who].append(python_stream(provider, size, a.window, a.iters, build, a.batch))
                     else:
                         runs[who].append(cpp_stream(bench, provider, size, a.window, a.iters))
                 except Exception as e:
                     print("py_overhead: %s on %s: %s" % (who, provider, e))
                     failed = True
-        c, p = best(runs["ponte-bench"]), best(runs["python"])
-        for who, r in (("ponte-bench", c), ("python", p)):
+        c = best(runs["ponte-bench"])
+        for who in whos:
+            r = best(runs[who])
             if r:
-                print("%-14s %-8s %10.3f %10.4f %10.2f %12.2f" % (provider, who[:8] if who == "python" else "c++",
+                print("%-14s %-8s %10.3f %10.4f %10.2f %12.2f" % (provider, "c++" if who == "ponte-bench" else who,
                                                                  r["GBps"], r["Mops"], 1 / r["Mops"], r["proc_us"]))
-        if c and p:
-            print("%-14s ratio python/c++ = %.3f (target >= 0.9 at window 16)" % (provider, p["GBps"] / c["GBps"]))
+        for who in whos[1:]:
+            p = best(runs[who])
+            if c and p:
+                print("%-14s ratio %s/c++ = %.3f%s" % (provider, who, p["GBps"] / c["GBps"],
+                                                      " (target >= 0.9 at window 16)" if who == "python" else
+                                                      " (paged_write, %d writes a call)" % a.batch))
     if a.ep == "auto":
         shape = dict(tokens=a.ep_tokens, hidden=a.ep_hidden, topk=a.ep_topk, experts=a.ep_experts, dtype=a.ep_dtype,
                      iters=a.ep_iters, warmup=5)

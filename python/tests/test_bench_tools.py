@@ -1,0 +1,28 @@
+"""bench/py_overhead.py, run small: every stream (Python per write, Python in paged_write batches,
+ponte-bench) verifies its data before it is timed, and the MoE rows verify theirs; exit status 0."""
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.environ.get("PONTE_REPO", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+# The build root whose python/ the tests import (conftest: PONTE_PY_BUILD, else build/python).
+BUILD = os.path.dirname(os.environ.get("PONTE_PY_BUILD", os.path.join(REPO, "build", "python")).rstrip(os.sep))
+
+
+def test_py_overhead_verifies_every_row_on_shm_and_tcp():
+    bench = os.path.join(BUILD, "bench", "ponte-bench")
+    assert os.access(bench, os.X_OK), "%s is not built: the stream's reference row cannot run" % bench
+    cmd = [sys.executable, os.path.join(REPO, "bench", "py_overhead.py"), "--build", BUILD, "--iters", "256",
+           "--repeat", "1", "--batch", "4", "--ep-iters", "3", "--providers", "shm,tcp;ofi_rxm"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-3000:]
+    for provider in ("shm", "tcp;ofi_rxm"):
+        for who in ("c\\+\\+", "python", "py-b4"):
+            assert re.search(r"^%s\s+%s\s+\d+\.\d+" % (re.escape(provider), who), p.stdout, re.M), (provider, who)
+        assert re.search(r"^%s\s+ratio python/c\+\+ = \d" % re.escape(provider), p.stdout, re.M), provider
+        assert re.search(r"^%s\s+ratio py-b4/c\+\+ = \d" % re.escape(provider), p.stdout, re.M), provider
+        if "MoE comparison SKIPPED" not in p.stdout:
+            assert re.search(r"^%s\s+python .* yes$" % re.escape(provider), p.stdout, re.M), provider
+    assert "MoE comparison SKIPPED" not in p.stdout, "ep-bench or ponte.EpBuffer is not built"
