@@ -85,7 +85,7 @@ def target_proc(conn, provider, size, window, build):
 def python_stream(provider, size, window, iters, build, batch=1):
     """One Python run: verify, then the timed stream. Returns GB/s, Mops.
 
-    batch 1: one ``write`` per 64 KiB write, the oldest waited for when window are in flight.
+    batch 1: one ``write`` per write; when window writes are in flight, the oldest is waited for.
     batch B > 1: ``paged_write`` of B slots per call (B writes, one Operation), window // B calls in
     flight: what a Python user moving many equal pieces (KV-cache pages) writes."""
     import numpy as np
@@ -105,13 +105,14 @@ def python_stream(provider, size, window, iters, build, batch=1):
         # Verify: every slot with a pattern, write-with-immediate, the target checks every byte.
         seed = 11
         src[:] = (np.arange(size * window, dtype=np.uint64) * 7 + seed).astype(np.uint8)
-        per = eng.imms_per_write(peer, size)
+        pages = [np.arange(k, k + batch, dtype=np.uint32) for k in range(0, window, batch)]
         if batch == 1:
             ops = [eng.write(peer, reg, k * size, size, remote, k * size, imm=1) for k in range(window)]
-        else:  # the path the timed loop takes, each batch's pages landing where they will
-            ops = [eng.paged_write(peer, reg, list(range(k, k + batch)), remote, list(range(k, k + batch)), size, imm=1)
-                   for k in range(0, window, batch)]
-        parent.send(("verify", 1, per * window, seed))
+            imms = eng.imms_per_write(peer, size) * window
+        else:  # the path the timed loop takes, each batch's pages landing where they will; one immediate a page
+            ops = [eng.paged_write(peer, reg, pg, remote, pg, size, imm=1) for pg in pages]
+            imms = window
+        parent.send(("verify", 1, imms, seed))
         ponte.wait_all(ops, 60)
         answer = parent.recv() if parent.poll(90) else "no answer"
         if answer != "ok":
@@ -133,8 +134,7 @@ def python_stream(provider, size, window, iters, build, batch=1):
                 inflight.append(write(peer, reg, off, size, remote, off))
         else:
             paged = eng.paged_write
-            calls = window // batch
-            pages = [np.arange(k * batch, (k + 1) * batch, dtype=np.uint32) for k in range(calls)]
+            calls = len(pages)
             for i in range(iters // batch):
                 if len(inflight) == calls:
                     inflight.popleft().wait()
