@@ -105,7 +105,7 @@ def python_stream(provider, size, window, iters, build, batch=1):
         # Verify: every slot with a pattern, write-with-immediate, the target checks every byte.
         seed = 11
         src[:] = (np.arange(size * window, dtype=np.uint64) * 7 + seed).astype(np.uint8)
-        pages = [np.arange(k, k + batch, dtype=np.uint32) for k in range(0, window, batch)]
+        pages = [np.arange(k, k + batch, dtype=np.uint32) for k in range(0, window, batch)] if batch > 1 else []
         if batch == 1:
             ops = [eng.write(peer, reg, k * size, size, remote, k * size, imm=1) for k in range(window)]
             imms = eng.imms_per_write(peer, size) * window
