@@ -290,9 +290,11 @@ void on_message(void* arg, PeerId from, std::span<const uint8_t> data) {
         Inbox& ib = inbox();
         std::lock_guard<std::mutex> lock(ib.mu);
         auto it = ib.pending.find(m->token);
-        // The answer must come to the connecting device's own engine.
-        if (it != ib.pending.end() && it->second->comm->dev == d &&
-            it->second->state != ConnectState::kRejected && it->second->state != ConnectState::kAccepted) {
+        // The answer must come to the connecting device's own engine. A repeated ACCEPT may come
+        // while connect() hands the accepted comm over (comm null, under this lock): state first.
+        if (it != ib.pending.end() && it->second->state != ConnectState::kRejected &&
+            it->second->state != ConnectState::kAccepted && it->second->comm &&
+            it->second->comm->dev == d) {
           PendingConnect* pc = it->second;
           pc->accept = m.value();
           pc->accept_from = from;
@@ -495,7 +497,11 @@ Status connect(int dev, void* handle, void** send_comm, int traffic_class) {
     if (pc->bootstrap) c->peer = pc->accept_from;
     c->remote_comm_id = pc->accept.receiver_comm_id;
     c->records = pc->accept.records;
-    pc->comm = nullptr;
+    {
+      // The worker's ACCEPT handler reads pc->comm under the inbox lock (a repeated ACCEPT).
+      std::lock_guard<std::mutex> ilock(inbox().mu);
+      pc->comm = nullptr;
+    }
     drop_pending(d, pc);
     *send_comm = c;
     return Status::Ok();
