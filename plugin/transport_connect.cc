@@ -455,7 +455,7 @@ Status connect(int dev, void* handle, void** send_comm, int traffic_class) {
     Inbox& ib = inbox();
     std::lock_guard<std::mutex> ilock(ib.mu);
     auto it = ib.pending.find(handle_stage(hb));
-    if (it == ib.pending.end() || it->second->comm->dev != d)
+    if (it == ib.pending.end() || !it->second->comm || it->second->comm->dev != d)
       return bad("connect: the handle belongs to a connection that already completed or failed");
     pc = it->second;
     state = pc->state;
