@@ -71,6 +71,7 @@ struct Options {
   std::vector<size_t> sizes{64, 64 << 10, 1 << 20, 8 << 20};
   bool sizes_given = false;
   int window = 16;
+  int slots = 1;  // bandwidth rows: operation k uses slot k % slots of both buffers (--slots)
   int nics = 1;
   long iters = 0;  // 0: chosen per size
   bool json = false;
@@ -545,6 +546,8 @@ struct Stream {
   const RemoteRegion* dst = nullptr;
   uint32_t imm = 0;
   uint64_t total = 0;
+  uint64_t slots = 1;                 // operation k: src and dst at slot k % slots (stride src.len)
+  std::atomic<uint64_t> posted{0};    // submissions so far: the next one's slot
   std::atomic<uint64_t> claimed{0};   // operations handed out to submitters
   std::atomic<uint64_t> deferred{0};  // claimed but refused with kAgain: the main thread retries
   std::atomic<uint64_t> completed{0};
@@ -554,10 +557,12 @@ struct Stream {
 
   Status submit() {
     Notify n{&Stream::on_done, this};
+    const size_t off = slots > 1 ? posted.fetch_add(1, std::memory_order_relaxed) % slots * src.len : 0;
+    const LocalSlice from{src.mr, src.offset + off, src.len};
     switch (op) {
-      case kOpWrite: return engine->write(0, peer, src, *dst, 0, n);
-      case kOpWriteImm: return engine->write_imm(0, peer, src, *dst, 0, imm, n);
-      case kOpSend: return engine->send(0, peer, src, n);
+      case kOpWrite: return engine->write(0, peer, from, *dst, off, n);
+      case kOpWriteImm: return engine->write_imm(0, peer, from, *dst, off, imm, n);
+      case kOpSend: return engine->send(0, peer, from, n);
       default: return Status(Code::kInternal, "bad op");
     }
   }
@@ -708,6 +713,7 @@ class Client {
     s.dst = &b_.peer_region;
     s.imm = value;
     s.total = total;
+    s.slots = static_cast<uint64_t>(o_.slots);
   }
   // The plain write's closing immediate (it follows every completed write).
   void close_writes(OpKind op, uint32_t done_value) {
@@ -764,6 +770,7 @@ class Client {
     const int64_t deadline = now_ns() + int64_t{g_timeout_s} * 1000000000;
     Counter c;
     const Notify counted = c.notify();
+    uint64_t slot = 0;
     for (uint64_t done = 0; done < n; done += burst) {
       // Room for this burst: at most window - burst still in flight.
       while (done - static_cast<uint64_t>(c.done.load(std::memory_order_acquire)) + burst > window) {
@@ -774,10 +781,13 @@ class Client {
       }
       const int64_t t0 = cpu_ns(CLOCK_THREAD_CPUTIME_ID);
       for (uint64_t i = 0; i < burst; i++) {
+        const size_t off = slot * r.size;
+        const LocalSlice from{s.src.mr, off, r.size};
+        slot = slot + 1 == s.slots ? 0 : slot + 1;
         for (;;) {
-          Status st = r.op == kOpSend        ? b_.engine->send(0, b_.peer, s.src, counted)
-                      : r.op == kOpWriteImm  ? b_.engine->write_imm(0, b_.peer, s.src, b_.peer_region, 0, value, counted)
-                                             : b_.engine->write(0, b_.peer, s.src, b_.peer_region, 0, counted);
+          Status st = r.op == kOpSend        ? b_.engine->send(0, b_.peer, from, counted)
+                      : r.op == kOpWriteImm  ? b_.engine->write_imm(0, b_.peer, from, b_.peer_region, off, value, counted)
+                                             : b_.engine->write(0, b_.peer, from, b_.peer_region, off, counted);
           if (st.ok()) break;
           if (st.code() != Code::kAgain) check(st, kOpNames[r.op]);
           if (now_ns() > deadline) die("timed out submitting (queue full for %d s)", g_timeout_s);
@@ -851,16 +861,18 @@ void print_rows(const Options& o, const Bench& b, const std::vector<Row>& rows) 
            provider.c_str());
     for (size_t i = 0; i < rows.size(); i++) {
       const Row& r = rows[i];
-      printf("%s{\"op\":\"%s\",\"size\":%zu,\"window\":%d,\"nics\":%d,\"iters\":%ld,\"GBps\":%.4f,\"Mops\":%.4f,"
+      printf("%s{\"op\":\"%s\",\"size\":%zu,\"window\":%d,\"slots\":%d,\"nics\":%d,\"iters\":%ld,\"GBps\":%.4f,\"Mops\":%.4f,"
              "\"lat_us\":%.3f,\"cpu_ns_per_op\":%.1f,\"proc_ns_per_op\":%.1f}",
-             i ? "," : "", kOpNames[r.op], r.size, r.window, o.nics, r.iters, r.gbps, r.mops, r.lat_us,
+             i ? "," : "", kOpNames[r.op], r.size, r.window, o.slots, o.nics, r.iters, r.gbps, r.mops, r.lat_us,
              r.cpu_ns_per_op, r.proc_ns_per_op);
     }
     printf("]}\n");
     return;
   }
-  printf("ponte-bench: backend %s, provider %s, %d NIC(s), window %d, %s; data verified byte for byte\n",
-         backend, provider.c_str(), o.nics, o.window,
+  char slots[32] = "";
+  if (o.slots > 1) snprintf(slots, sizeof(slots), ", %d slots", o.slots);
+  printf("ponte-bench: backend %s, provider %s, %d NIC(s), window %d%s, %s; data verified byte for byte\n",
+         backend, provider.c_str(), o.nics, o.window, slots,
          o.mode == Options::kLoopback ? "loopback (two processes)" : "two hosts");
   printf("%-10s %10s %11s %10s %12s %10s %11s %12s\n", "op", "#bytes", "#iterations", "BW[GB/s]", "Mops",
          "lat[us]", "ns/op(cpu)", "ns/op(proc)");
@@ -883,6 +895,7 @@ int run_client(Channel& ch, const Options& o) {
   hello.kind = 'H';
   hello.count = kMagic;
   hello.imm = kProtocolVersion;
+  max_size *= static_cast<size_t>(o.slots);  // both ends hold every slot
   hello.size = max_size;
   ch.send_ctrl(hello);
   Bench b;
@@ -930,12 +943,14 @@ int run_client(Channel& ch, const Options& o) {
 [[noreturn]] void usage(int code) {
   fprintf(code ? stderr : stdout,
           "usage: ponte-bench [--backend fabric|verbs] [--provider P] [--op write|write-imm|send|lat[,...]]\n"
-          "                   [--sizes 8,64k,1m,...] [--window N] [--nics N] [--iters N] [--timeout S]\n"
+          "                   [--sizes 8,64k,1m,...] [--window N] [--slots N] [--nics N] [--iters N] [--timeout S]\n"
           "                   [--json] [--server | --client HOST] [--port P] [--version]\n"
           "Moves data through ponte's engine between two processes, verifies it, then prints bandwidth,\n"
           "latency and CPU per operation. Default: both ends on this host over loopback (the peer is\n"
           "forked), provider tcp;ofi_rxm, op write-imm,lat, sizes 64,64k,1m,8m (lat: 8 bytes), window 16,\n"
-          "1 NIC. --server / --client HOST run the two ends on two hosts (TCP port %d for the setup).\n"
+          "1 NIC. --slots N: bandwidth operation k moves slot k %% N of both buffers (N x the largest\n"
+          "size each; default 1: every operation the same bytes, as ib_write_bw).\n"
+          "--server / --client HOST run the two ends on two hosts (TCP port %d for the setup).\n"
           "Environment: PONTE_BACKEND, PONTE_FABRIC_PROVIDER and every other PONTE_* variable.\n",
           kDefaultPort);
   exit(code);
@@ -1028,6 +1043,8 @@ Options parse_args(int argc, char** argv) {
       if (o.sizes.empty()) usage(2);
     } else if (a == "--window") {
       o.window = static_cast<int>(parse_long("--window", v, 1, 4096));
+    } else if (a == "--slots") {
+      o.slots = static_cast<int>(parse_long("--slots", v, 1, 4096));
     } else if (a == "--nics") {
       o.nics = static_cast<int>(parse_long("--nics", v, 1, ponte::kMaxNicsPerGroup));
     } else if (a == "--iters") {

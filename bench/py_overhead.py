@@ -5,7 +5,8 @@
 
 Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with ``--window``
 (default 16) in flight, from Python (``ponte.Engine.write`` + ``Operation.wait``) and from
-``ponte-bench --op write`` (C++; its completions submit the next write on the engine's worker).
+``ponte-bench --op write --slots WINDOW`` (C++; its completions submit the next write on the engine's
+worker). Both streams write slot k % window of the same-sized buffers, so both walk the same memory.
 A third row (``--batch B``, default 4; 0 leaves it out) writes the same stream from Python with
 ``paged_write``, B writes per call and window / B calls in flight.
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
@@ -160,8 +161,10 @@ def python_stream(provider, size, window, iters, build, batch=1):
 
 
 def cpp_stream(bench, provider, size, window, iters):
+    # --slots window: write k moves slot k % window of both buffers, as the Python stream does (one
+    # slot for every write would keep 64 KiB of each buffer in cache where Python's stream walks 1 MiB).
     cmd = [bench, "--provider", provider, "--op", "write", "--sizes", str(size), "--window", str(window),
-           "--iters", str(iters), "--json", "--timeout", "60"]
+           "--slots", str(window), "--iters", str(iters), "--json", "--timeout", "60"]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode, p.stderr[-2000:]))
