@@ -54,7 +54,7 @@ enum OpKind : uint32_t { kOpWrite = 0, kOpWriteImm = 1, kOpSend = 2, kOpLat = 3 
 const char* const kOpNames[] = {"write", "write-imm", "send", "lat"};
 
 constexpr uint32_t kMagic = 0x706f6e74;  // "pont"
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;
 constexpr int kDefaultPort = 18515;
 
 // Immediate values: 0xB5 in the top byte, what the immediate is for, then the test's number.
@@ -204,6 +204,7 @@ struct Ctrl {
   uint64_t seed = 0;
   uint32_t imm = 0;
   uint32_t pad = 0;
+  uint64_t offset = 0;  // 'V' of a write: where in both buffers (the last slot with --slots)
   char text[128] = {};
 };
 
@@ -455,10 +456,12 @@ void run_target(Channel& ch, const Options& o) {
     Ctrl c = ch.recv_ctrl("next command");
     arm_watchdog();
     if (c.kind == 'Q') break;
-    if (c.size > b.buf_len) die("the client asked for %" PRIu64 " bytes, the buffer holds %zu", c.size, b.buf_len);
+    if (c.size > b.buf_len || c.offset > b.buf_len - c.size)
+      die("the client asked for %" PRIu64 " bytes at %" PRIu64 ", the buffer holds %zu", c.size, c.offset, b.buf_len);
+    uint8_t* const at = b.buf + c.offset;
     if (c.kind == 'V') {
       // Verify: clear, wait for the write's immediates (or the message), check every byte.
-      memset(b.buf, 0, c.size);
+      memset(at, 0, c.size);
       ponte::Flag flag;
       if (c.op == kOpSend) {
         recv.bad.store(0);
@@ -480,9 +483,9 @@ void run_target(Channel& ch, const Options& o) {
         wait_until([&] { return flag.done(); }, "the verification write's immediates");
         check(flag.status(), "waiting for the verification write");
         for (size_t i = 0; i < c.size; i++) {
-          if (b.buf[i] != pattern_byte(i, c.seed)) {
-            snprintf(text, sizeof(text), "byte %zu of %" PRIu64 " is 0x%02x, expected 0x%02x", i, c.size, b.buf[i],
-                     pattern_byte(i, c.seed));
+          if (at[i] != pattern_byte(i, c.seed)) {
+            snprintf(text, sizeof(text), "byte %zu of %" PRIu64 " at %" PRIu64 " is 0x%02x, expected 0x%02x", i, c.size,
+                     c.offset, at[i], pattern_byte(i, c.seed));
             break;
           }
         }
@@ -655,9 +658,10 @@ class Client {
 
  private:
   Ctrl command(uint32_t kind, OpKind op, size_t size, uint64_t count, uint64_t imms, uint32_t imm,
-               uint64_t seed = 0) {
+               uint64_t seed = 0, uint64_t offset = 0) {
     Ctrl c;
     c.kind = kind;
+    c.offset = offset;
     c.op = op;
     c.size = size;
     c.count = count;
@@ -678,22 +682,25 @@ class Client {
   uint32_t ipw(size_t size) const { return b_.engine->imms_per_write(0, b_.peer, size); }
   LocalSlice src(size_t size) const { return LocalSlice{&b_.mr, 0, size}; }
 
-  // A pattern written once, then checked byte for byte at the target after an immediate.
+  // A pattern written once, then checked byte for byte at the target after an immediate. A write
+  // with --slots goes to the last slot of both buffers: the stream's offsets are checked too.
   void verify(OpKind op, size_t size) {
     const uint64_t seed = 1000 + test_id_;
-    for (size_t i = 0; i < size; i++) b_.buf[i] = pattern_byte(i, seed);
+    const size_t off = op == kOpSend ? 0 : static_cast<size_t>(o_.slots - 1) * size;
+    for (size_t i = 0; i < size; i++) b_.buf[off + i] = pattern_byte(i, seed);
     const uint32_t value = kImmVerify | test_id_;
     // write: the data, then an immediate alone once the write completed. write-imm: every shard
     // carries the immediate. send: the message itself.
     const uint64_t imms = op == kOpWriteImm ? ipw(size) : 1;
-    command('V', op, size, 1, imms, value, seed);
+    command('V', op, size, 1, imms, value, seed, off);
     Counter c;
+    const LocalSlice from{&b_.mr, off, size};
     if (op == kOpSend) {
-      check(b_.engine->send(0, b_.peer, src(size), c.notify()), "send");
+      check(b_.engine->send(0, b_.peer, from, c.notify()), "send");
     } else if (op == kOpWriteImm) {
-      check(b_.engine->write_imm(0, b_.peer, src(size), b_.peer_region, 0, value, c.notify()), "write_imm");
+      check(b_.engine->write_imm(0, b_.peer, from, b_.peer_region, off, value, c.notify()), "write_imm");
     } else {
-      check(b_.engine->write(0, b_.peer, src(size), b_.peer_region, 0, c.notify()), "write");
+      check(b_.engine->write(0, b_.peer, from, b_.peer_region, off, c.notify()), "write");
       wait_until([&] { return c.done.load(std::memory_order_acquire) == 1; }, "the verification write");
       if (c.failed.load()) die("verification write: %s", c.error());
       check(lone_imm(value, c.notify()), "imm");
