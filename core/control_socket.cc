@@ -110,8 +110,19 @@ void ControlSocket::close() {
   out_.clear();
 }
 
+// Room for the keep-alive traffic (PING/PONG frames, a few dozen bytes) taken when a socket
+// opens, at setup: the worker's first PING or PONG on a connection, long after the handshake,
+// then allocates nothing (the buffers keep their capacity; only a larger message grows them).
+constexpr size_t kSteadyBufferBytes = 256;
+
+void ControlSocket::reserve_steady() {
+  in_.reserve(kSteadyBufferBytes);
+  out_.reserve(kSteadyBufferBytes);
+}
+
 Status ControlSocket::connect(const ControlEndpoint& to) {
   close();
+  reserve_steady();
   if (to.family != 4) return Status(Code::kInvalidArgument, "control socket: only IPv4 is supported");
   fd_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd_ < 0) return Status(Code::kResource, "socket: %s", strerror(errno));
@@ -132,6 +143,7 @@ Status ControlSocket::connect(const ControlEndpoint& to) {
 
 void ControlSocket::adopt(int fd) {
   close();
+  reserve_steady();
   fd_ = fd;
   int flags = fcntl(fd_, F_GETFL);
   fcntl(fd_, F_SETFL, flags | O_NONBLOCK);

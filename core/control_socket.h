@@ -64,6 +64,8 @@ class ControlSocket {
   void set_max_message(uint32_t bytes) { max_message_ = bytes; }
 
  private:
+  void reserve_steady();
+
   int fd_ = -1;
   bool connecting_ = false;
   uint32_t max_message_ = kMaxControlMessage;
