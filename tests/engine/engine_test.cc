@@ -14,6 +14,7 @@
 
 #include "core/engine.h"
 #include "core/group_address.h"
+#include "tests/common/completion_counter.h"
 #include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
 #include "tests/common/region_peer.h"
@@ -262,21 +263,7 @@ class EngineTest : public ::testing::TestWithParam<Setup> {
   uint32_t poller_sleep_us_ = 0;  // this side's PONTE_POLLER_SLEEP_US (0: the default)
 };
 
-// Counts completions of many operations without allocating a Flag each.
-struct Counter {
-  std::atomic<int> ok{0}, failed{0};
-  static void fire(void* arg, const Status& st) {
-    auto* c = static_cast<Counter*>(arg);
-    if (st.ok()) c->ok++;
-    else c->failed++;
-  }
-  Notify notify() { return Notify{&Counter::fire, this}; }
-  bool wait_total(int n, std::chrono::milliseconds t) {
-    auto deadline = std::chrono::steady_clock::now() + t;
-    while (ok + failed < n && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(100us);
-    return ok + failed >= n;
-  }
-};
+using Counter = CompletionCounter;
 
 TEST_P(EngineTest, WriteWithImmediateAllSizesVerified) {
   start();

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/engine.h"
+#include "tests/common/completion_counter.h"
 #include "tests/common/page_buffer.h"
 #include "tests/common/pattern.h"
 #include "tests/common/peer_process.h"
@@ -180,26 +181,7 @@ class Peer : public RegionPeer {
   int status_ = -1;
 };
 
-struct Counter {
-  std::atomic<int> ok{0}, failed{0};
-  Code first_error = Code::kOk;
-  std::atomic<bool> have_error{false};
-  static void fire(void* arg, const Status& st) {
-    auto* c = static_cast<Counter*>(arg);
-    if (st.ok()) {
-      c->ok++;
-    } else {
-      if (!c->have_error.exchange(true)) c->first_error = st.code();
-      c->failed++;
-    }
-  }
-  Notify notify() { return Notify{&Counter::fire, this}; }
-  bool wait_total(int n, std::chrono::milliseconds t) const {
-    auto deadline = Clock::now() + t;
-    while (ok + failed < n && Clock::now() < deadline) std::this_thread::sleep_for(200us);
-    return ok + failed >= n;
-  }
-};
+using Counter = ponte::test::CompletionCounter;
 
 class NetFaults : public ::testing::Test {
  protected:
@@ -300,7 +282,7 @@ TEST_P(Impaired, EveryOperationCompletesAndVerifies) {
     ASSERT_TRUE(st.ok()) << st.message();
   }
   ASSERT_TRUE(c.wait_total(kOps, std::chrono::milliseconds(timeout_ms_ + 5000)));
-  EXPECT_EQ(c.failed, 0) << code_name(c.first_error);
+  EXPECT_EQ(c.failed, 0) << code_name(c.first_error.load());
   EXPECT_EQ(peer_->cmd("wait").rfind("ok", 0), 0u);
   EXPECT_EQ(peer_->cmd("check 0 " + std::to_string(kOps * kLen) + " 21"), "ok");
   // Read: the peer's bytes come back; its round trip shows the delay.

@@ -1,96 +1,17 @@
 // The plugin's data path allocates nothing once warm: isend / irecv / test (and iflush) in a steady
 // state make no C++ heap allocation on any thread of the process (the proxy thread that calls
-// them, the engine's worker, its watchdog). Counted through a replaced global operator new, which
-// the dlopen'ed plugin binds to (its operator new is an undefined libstdc++ symbol, resolved in
-// the executable first). libfabric's own malloc calls are the provider's business and not counted.
+// them, the engine's worker, its watchdog), counted by tests/common/all_threads_alloc_counter.h,
+// which the dlopen'ed plugin's operator new binds to. libfabric's own malloc calls are the
+// provider's business and not counted.
 #include <gtest/gtest.h>
 
-#include <execinfo.h>
-
-#include <atomic>
-#include <cstdlib>
-#include <new>
-
+#include "tests/common/all_threads_alloc_counter.h"
 #include "tests/plugin/harness.h"
-
-namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<long> g_allocs{0};
-
-// Where the first counted allocations came from, printed when a test fails (backtrace() neither
-// allocates nor locks once warmed up; the plugin's frames show as library offsets: addr2line).
-constexpr int kTraces = 4, kDepth = 24;
-void* g_trace[kTraces][kDepth];
-int g_trace_len[kTraces];
-
-void note() {
-  const long k = g_allocs.fetch_add(1, std::memory_order_relaxed);
-  if (k < kTraces) g_trace_len[k] = backtrace(g_trace[k], kDepth);
-}
-
-void* counted(std::size_t n) {
-  if (g_counting.load(std::memory_order_relaxed)) note();
-  return std::malloc(n ? n : 1);
-}
-void* counted_aligned(std::size_t n, std::align_val_t a) {
-  if (g_counting.load(std::memory_order_relaxed)) note();
-  const std::size_t al = static_cast<std::size_t>(a);
-  return std::aligned_alloc(al, (n + al - 1) / al * al);
-}
-}  // namespace
-
-void* operator new(std::size_t n) {
-  if (void* p = counted(n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) {
-  if (void* p = counted(n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted(n); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted(n); }
-void* operator new(std::size_t n, std::align_val_t a) {
-  if (void* p = counted_aligned(n, a)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n, std::align_val_t a) {
-  if (void* p = counted_aligned(n, a)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace ponte::plugin_test {
 namespace {
 
-// Counts the allocations of every thread while it lives.
-class CountAllocs {
- public:
-  CountAllocs() {
-    void* warm[2];
-    backtrace(warm, 2);  // its first call loads libgcc (and allocates): before counting
-    g_allocs.store(0);
-    g_counting.store(true);
-  }
-  ~CountAllocs() { g_counting.store(false); }
-  // Stops counting; the count. Prints where the first allocations came from when there were any
-  // and `trace` (the count is a failure there).
-  long stop(bool trace = true) {
-    g_counting.store(false);
-    const long n = g_allocs.load();
-    for (long k = 0; trace && k < n && k < kTraces; ++k) {
-      std::fprintf(stderr, "allocation %ld of %ld, from:\n", k + 1, n);
-      backtrace_symbols_fd(g_trace[k], g_trace_len[k], 2);
-    }
-    return n;
-  }
-};
+using CountAllocs = ponte::test::AllThreadsAllocCounter;
 
 struct AllocFixture : ::testing::Test {
   static void SetUpTestSuite() {

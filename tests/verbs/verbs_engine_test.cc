@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "tests/common/completion_counter.h"
 
 namespace ponte {
 namespace {
@@ -117,19 +118,7 @@ class RoceSniffer {
 };
 
 // Counts the ends of many operations.
-struct Counter {
-  std::atomic<int> ok{0}, failed{0};
-  static void fire(void* arg, const Status& st) {
-    auto* c = static_cast<Counter*>(arg);
-    (st.ok() ? c->ok : c->failed)++;
-  }
-  Notify notify() { return Notify{&Counter::fire, this}; }
-  bool wait_total(int n, std::chrono::milliseconds t) const {
-    auto deadline = Clock::now() + t;
-    while (ok + failed < n && Clock::now() < deadline) std::this_thread::sleep_for(200us);
-    return ok + failed >= n;
-  }
-};
+using Counter = ponte::test::CompletionCounter;
 
 class VerbsEngineTest : public ::testing::Test {
  protected:
