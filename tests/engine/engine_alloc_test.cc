@@ -65,7 +65,6 @@ class EngineAllocTest : public ::testing::TestWithParam<Setup> {
     src_mr_ = std::move(ms.value());
     dst_mr_ = std::move(md.value());
     dst_remote_ = dst_mr_.remote();
-    src_remote_ = src_mr_.remote();
     eng_->set_recv_handler(0, &on_recv, &recv_);
     {
       // Connecting allocates (the peer's state, its handshake): seen here, so the counter sees the
@@ -150,7 +149,7 @@ class EngineAllocTest : public ::testing::TestWithParam<Setup> {
   uint8_t* src_ = nullptr;
   uint8_t* dst_ = nullptr;
   MemoryRegion src_mr_, dst_mr_;
-  RemoteRegion src_remote_, dst_remote_;
+  RemoteRegion dst_remote_;
   PeerId peer_ = 0;
   Received recv_;
   uint32_t src_pages_[kPages], dst_pages_[kPages];
