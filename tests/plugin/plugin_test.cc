@@ -543,15 +543,22 @@ void abort_rounds(const Net& net, int rounds, std::string* error) {
     }
     // The sender hears BROKEN from the first receive deregistered; its last write to end answers
     // ACK from the engine's callback (NCCL never tests these requests again), so no deregMr may
-    // wait out PONTE_TIMEOUT_MS (each used to, over shm: 32 x 5 s a round).
-    const auto limit = std::chrono::milliseconds(std::atoi(std::getenv("PONTE_TIMEOUT_MS"))) / 2;
+    // wait out PONTE_TIMEOUT_MS (each used to, over shm: 32 x 5 s a round). The first one waits
+    // for the ACK behind the data queued ahead of it on the connection: over udp;ofi_rxd on a
+    // loaded host that took up to 4.7 s of a 10 s timeout (rxd moves data only when polled), so
+    // the bound is three quarters of the timeout, not half; a wait for a lost ACK takes it all.
+    const auto limit = std::chrono::milliseconds(std::atoi(std::getenv("PONTE_TIMEOUT_MS"))) * 3 / 4;
     for (int i = 0; i < kBuffers; ++i) {
       if (smh[i]) net->dereg_mr(p.send, smh[i]);
       const auto t0 = Clock::now();
       if (rmh[i]) net->dereg_mr(p.recv, rmh[i]);
-      if (Clock::now() - t0 > limit && error->empty())
+      const auto waited = Clock::now() - t0;
+      if (waited > std::chrono::seconds(1))  // reported: how close a loaded host comes to the bound
+        std::printf("[ DEREG    ] round %d: deregMr of receive buffer %d took %lld ms\n", round, i,
+                    static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()));
+      if (waited > limit && error->empty())
         *error = "round " + std::to_string(round) + ": deregMr of receive buffer " + std::to_string(i) +
-                 " waited more than PONTE_TIMEOUT_MS / 2 for the sender's ACK";
+                 " waited more than 3/4 of PONTE_TIMEOUT_MS for the sender's ACK";
       std::free(sbuf[i]);
       std::free(rbuf[i]);
     }
