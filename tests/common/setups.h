@@ -33,24 +33,29 @@ inline std::vector<Setup> known_setups() {
           {"verbs", BackendChoice::kVerbs, ""}};
 }
 
-// The setups parameterised suites run over.
+// The setups parameterised suites run over: verbs alone under PONTE_TEST_BACKEND=verbs, else the
+// fabric setups PONTE_TEST_SETUPS names (default tcp_rxm,shm,udp_rxd).
 inline std::vector<Setup> setups() {
   const std::vector<Setup> known = known_setups();
   const char* b = getenv("PONTE_TEST_BACKEND");
-  if (b && std::string(b) == "verbs") return {known[4]};
+  const bool verbs = b && std::string(b) == "verbs";
   const char* pick = getenv("PONTE_TEST_SETUPS");
-  if (!pick || !*pick) return {known[0], known[1], known[2]};
+  if (verbs || !pick || !*pick) pick = verbs ? "verbs" : "tcp_rxm,shm,udp_rxd";
+  const BackendChoice backend = verbs ? BackendChoice::kVerbs : BackendChoice::kFabric;
   std::vector<Setup> out;
   std::stringstream names(pick);
   for (std::string n; std::getline(names, n, ',');) {
     bool found = false;
     for (const auto& s : known) {
-      if (s.name != n || s.backend != BackendChoice::kFabric) continue;
+      if (s.name != n || s.backend != backend) continue;
       out.push_back(s);
       found = true;
     }
     if (!found) {  // at static initialisation (INSTANTIATE_TEST_SUITE_P): say so and stop
-      fprintf(stderr, "PONTE_TEST_SETUPS: unknown setup '%s' (known: tcp_rxm, shm, udp_rxd, net)\n", n.c_str());
+      std::string names_known;
+      for (const auto& s : known)
+        if (s.backend == BackendChoice::kFabric) names_known += (names_known.empty() ? "" : ", ") + s.name;
+      fprintf(stderr, "PONTE_TEST_SETUPS: unknown setup '%s' (known: %s)\n", n.c_str(), names_known.c_str());
       exit(2);
     }
   }
