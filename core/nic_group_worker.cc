@@ -25,6 +25,10 @@ void NicGroup::sleep_idle(uint32_t us) {
     if (n == 1 && ev.data.u64 == kWakeTag) {
       uint64_t v;
       if (read(wake_fd_, &v, sizeof(v)) < 0) { /* drained already */ }
+    } else if (n == 1) {
+      // A control socket: a peer is handshaking or talking; its fabric traffic follows, so the
+      // worker leaves deep idle (kDeepIdleAfterUs) and polls at most 50 us apart again.
+      last_activity_ = Clock::now();
     }
   }
   sleeping_.store(false, std::memory_order_relaxed);
@@ -360,8 +364,11 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     return 0;
   }
   // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
-  // move incoming data), waking at once for a submission or a control message.
-  st.idle_us = st.idle_us ? std::min<uint32_t>(st.idle_us * 2, 50) : 1;
+  // move incoming data), waking at once for a submission or a control message; after
+  // kDeepIdleAfterUs of nothing, on up to PONTE_IDLE_SLEEP_US (nic_group_internal.h).
+  const uint32_t cap =
+      now - last_activity_ >= std::chrono::microseconds(kDeepIdleAfterUs) ? cfg_.idle_sleep_us : 50u;
+  st.idle_us = st.idle_us ? std::min<uint32_t>(st.idle_us * 2, cap) : 1;
   return st.idle_us;
 }
 

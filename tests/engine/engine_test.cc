@@ -1,11 +1,13 @@
 // Engine integration tests: real processes, real providers (tcp;ofi_rxm and shm here; verbs in the
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
+#include <dirent.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -548,6 +550,57 @@ std::vector<PeerId> wait_inbound(Engine& e, size_t n) {
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   while (e.peers(0).size() < n && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   return e.peers(0);
+}
+
+// How often this process's workers ("ponte-g<N>" threads) went to sleep so far: the sum of their
+// voluntary context switches, and how many there are.
+std::pair<uint64_t, int> worker_sleeps() {
+  uint64_t sleeps = 0;
+  int workers = 0;
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir("/proc/self/task"), closedir);
+  if (!dir) return {0, 0};
+  while (dirent* d = readdir(dir.get())) {
+    if (d->d_name[0] == '.') continue;
+    const std::string task = std::string("/proc/self/task/") + d->d_name;
+    std::string comm;
+    std::ifstream(task + "/comm") >> comm;
+    if (comm.rfind("ponte-g", 0) != 0) continue;
+    workers++;
+    std::ifstream st(task + "/status");
+    for (std::string line; std::getline(st, line);)
+      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) sleeps += std::stoull(line.substr(24));
+  }
+  return {sleeps, workers};
+}
+
+// A group with nothing to do (connected, nothing submitted, in flight or waited for) polls its
+// NICs 50 us apart at first, then, 10 ms into the silence, sleeps longer (up to
+// PONTE_IDLE_SLEEP_US, 1 ms): at about 8,000 wake-ups a second two idle engines took a quarter of
+// a core here. Load only lengthens sleeps, so a busy host cannot push the count over the bound:
+// over half a second a worker slept 458 times here, 3,978 with PONTE_IDLE_SLEEP_US=50 (the old
+// bound). And the quiet costs no correctness: a write after the silence wakes both sides and
+// lands.
+TEST_P(EngineTest, AnIdleWorkerSleepsLongAndWakesForTheNextWrite) {
+  auto a = make_engine(GetParam(), 'A', 1);
+  auto b = make_engine(GetParam(), 'B', 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Engine* engines[2] = {a->get(), b->get()};
+  auto a_to_b = engines[0]->connect(0, engines[1]->address(0));
+  ASSERT_TRUE(a_to_b.ok()) << a_to_b.status().message();
+  const auto inbound = wait_inbound(*engines[1], 1);
+  ASSERT_EQ(inbound.size(), 1u) << "A's connection never reached B";
+  const PeerId ids[2] = {*a_to_b, inbound[0]};
+  ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, ids, 31, "before the silence"));
+  std::this_thread::sleep_for(100ms);  // past kDeepIdleAfterUs and the ramp to the long sleep
+  const auto before = worker_sleeps();
+  ASSERT_GE(before.second, 2) << "no ponte-g* worker threads found in /proc/self/task";
+  std::this_thread::sleep_for(500ms);
+  const auto after = worker_sleeps();
+  ASSERT_EQ(after.second, before.second);
+  const uint64_t per_worker = (after.first - before.first) / static_cast<uint64_t>(after.second);
+  EXPECT_LT(per_worker, 2000u) << "an idle worker went to sleep " << per_worker
+                               << " times in 500 ms: it polls as if busy";
+  ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, ids, 32, "after the silence"));
 }
 
 // A remote group is one peer per traffic class, at both ends: the other end's connection of class
