@@ -85,6 +85,23 @@ Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics,
   return Engine::create(o);
 }
 
+// Two engines of one setup, one NIC each, and A's connect() to B (returned at once; the connection
+// completes in the background).
+struct ConnectedPair {
+  std::unique_ptr<Engine> a, b;
+  PeerId a_to_b = 0;
+};
+void open_pair(const Setup& s, ConnectedPair* p) {
+  auto a = make_engine(s, 'A', 1);
+  auto b = make_engine(s, 'B', 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  p->a = std::move(a).value();
+  p->b = std::move(b).value();
+  auto c = p->a->connect(0, p->b->address(0));
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  p->a_to_b = *c;
+}
+
 // ---------------------------------------------------------------- the peer process
 // Commands (text lines over the channel), each answered "ok" or an error text:
 //   expect V N       wait for N immediates of value V        expectw V LEN N: N writes of LEN
@@ -517,12 +534,10 @@ TEST_P(EngineTest, CrossConnectFromPollingThreadsKeepsBothConnections) {
 // answered (CrossConnectFromPollingThreadsKeepsBothConnections failed 3 rounds in about 400 in
 // the SoftRoCE guest, when one side's connect came late).
 TEST_P(EngineTest, ConnectAfterThePeerConnectedReturnsThatPeer) {
-  auto a = make_engine(GetParam(), 'A', 1);
-  auto b = make_engine(GetParam(), 'B', 1);
-  ASSERT_TRUE(a.ok() && b.ok());
-  Engine* engines[2] = {a->get(), b->get()};
-  auto a_to_b = engines[0]->connect(0, engines[1]->address(0));
-  ASSERT_TRUE(a_to_b.ok()) << a_to_b.status().message();
+  ConnectedPair pair;
+  ASSERT_NO_FATAL_FAILURE(open_pair(GetParam(), &pair));
+  Engine* engines[2] = {pair.a.get(), pair.b.get()};
+  const PeerId a_to_b = pair.a_to_b;
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   while (engines[1]->peers(0).empty() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(1ms);
@@ -533,8 +548,8 @@ TEST_P(EngineTest, ConnectAfterThePeerConnectedReturnsThatPeer) {
   EXPECT_EQ(*b_to_a, inbound) << "B made a second peer for A";
   auto again = engines[0]->connect(0, engines[1]->address(0));
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ(*again, *a_to_b) << "A made a second peer for B";
-  const PeerId ids[2] = {*a_to_b, *b_to_a};
+  EXPECT_EQ(*again, a_to_b) << "A made a second peer for B";
+  const PeerId ids[2] = {a_to_b, *b_to_a};
   for (int me = 0; me < 2; me++) {
     while (!engines[me]->peer_ready(0, ids[me]) && !engines[me]->peer_dead(0, ids[me]) &&
            std::chrono::steady_clock::now() < deadline)
@@ -581,15 +596,12 @@ std::pair<uint64_t, int> worker_sleeps() {
 // bound). And the quiet costs no correctness: a write after the silence wakes both sides and
 // lands.
 TEST_P(EngineTest, AnIdleWorkerSleepsLongAndWakesForTheNextWrite) {
-  auto a = make_engine(GetParam(), 'A', 1);
-  auto b = make_engine(GetParam(), 'B', 1);
-  ASSERT_TRUE(a.ok() && b.ok());
-  Engine* engines[2] = {a->get(), b->get()};
-  auto a_to_b = engines[0]->connect(0, engines[1]->address(0));
-  ASSERT_TRUE(a_to_b.ok()) << a_to_b.status().message();
+  ConnectedPair pair;
+  ASSERT_NO_FATAL_FAILURE(open_pair(GetParam(), &pair));
+  Engine* engines[2] = {pair.a.get(), pair.b.get()};
   const auto inbound = wait_inbound(*engines[1], 1);
   ASSERT_EQ(inbound.size(), 1u) << "A's connection never reached B";
-  const PeerId ids[2] = {*a_to_b, inbound[0]};
+  const PeerId ids[2] = {pair.a_to_b, inbound[0]};
   ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, ids, 31, "before the silence"));
   std::this_thread::sleep_for(100ms);  // past kDeepIdleAfterUs and the ramp to the long sleep
   const auto before = worker_sleeps();
