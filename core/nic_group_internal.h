@@ -34,13 +34,15 @@ inline constexpr size_t kImmTableSize = 1 << 16;
 // Control sockets wake it at once; so does a submission from a thread that is not polling
 // (NicGroup::submit), and a poller that says it stops (Engine::stop_polling).
 inline constexpr uint32_t kPollerBackoffUs = 50;
-// An idle worker (nothing submitted, in flight or waited for) polls its NICs at most 50 us apart:
-// a manual-progress provider (tcp;ofi_rxm) moves incoming data only when polled. Once the group
-// has done nothing for kDeepIdleAfterUs, the sleeps go on doubling up to PONTE_IDLE_SLEEP_US
-// (Config::idle_sleep_us, 1 ms): about 8,000 wake-ups a second cost an idle engine 11-13 % of a
-// core on this project's 2-core host (1-1.7 % now), and an NCCL rank keeps one idle engine
-// (device 0's, from the probe) beside the one it uses. Submissions and control messages still wake it at once; what
-// waits is only incoming data nobody waits for, up to that sleep, after 10 ms of silence.
+// An idle worker (nothing submitted, in flight or waited for) polls its NICs at most kIdlePollUs
+// apart: a manual-progress provider (tcp;ofi_rxm) moves incoming data only when polled. Once the
+// group has done nothing for kDeepIdleAfterUs, the sleeps go on doubling up to
+// PONTE_IDLE_SLEEP_US (Config::idle_sleep_us, 1 ms): about 8,000 wake-ups a second cost an idle
+// engine 11-13 % of a core on this project's 2-core host (1-1.7 % now), and an NCCL rank keeps
+// one idle engine (device 0's, from the probe) beside the one it uses. Submissions and control
+// messages still wake it at once; what waits is only incoming data nobody waits for, up to that
+// sleep, after 10 ms of silence.
+inline constexpr uint32_t kIdlePollUs = 50;
 inline constexpr uint32_t kDeepIdleAfterUs = 10000;
 // How long after a thread's last progress() call the worker leaves the data path to it.
 inline constexpr uint32_t kPollerHoldUs = 200;

@@ -27,7 +27,7 @@ void NicGroup::sleep_idle(uint32_t us) {
       if (read(wake_fd_, &v, sizeof(v)) < 0) { /* drained already */ }
     } else if (n == 1) {
       // A control socket: a peer is handshaking or talking; its fabric traffic follows, so the
-      // worker leaves deep idle (kDeepIdleAfterUs) and polls at most 50 us apart again.
+      // worker leaves deep idle (kDeepIdleAfterUs) and polls at most kIdlePollUs apart again.
       last_activity_ = Clock::now();
     }
   }
@@ -363,11 +363,11 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     st.yield_now = !did && now - last_activity_ >= std::chrono::microseconds(kSpinYieldAfterUs);
     return 0;
   }
-  // Idle: back off from 1 us to 50 us between polls (manual-progress providers need polls to
-  // move incoming data), waking at once for a submission or a control message; after
+  // Idle: back off from 1 us to kIdlePollUs between polls (manual-progress providers need polls
+  // to move incoming data), waking at once for a submission or a control message; after
   // kDeepIdleAfterUs of nothing, on up to PONTE_IDLE_SLEEP_US (nic_group_internal.h).
   const uint32_t cap =
-      now - last_activity_ >= std::chrono::microseconds(kDeepIdleAfterUs) ? cfg_.idle_sleep_us : 50u;
+      now - last_activity_ >= std::chrono::microseconds(kDeepIdleAfterUs) ? cfg_.idle_sleep_us : kIdlePollUs;
   st.idle_us = st.idle_us ? std::min<uint32_t>(st.idle_us * 2, cap) : 1;
   return st.idle_us;
 }
