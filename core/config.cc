@@ -114,6 +114,8 @@ Result<Config> Config::from_env() {
   if (c.poller_sleep_us < 50) return Status(Code::kInvalidArgument, "PONTE_POLLER_SLEEP_US must be >= 50");
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_IDLE_SLEEP_US", 60u * 1000u * 1000u, &c.idle_sleep_us));
   if (c.idle_sleep_us < 50) return Status(Code::kInvalidArgument, "PONTE_IDLE_SLEEP_US must be >= 50");
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_POLLER_HOLD_US", 1000u * 1000u, &c.poller_hold_us));
+  if (c.poller_hold_us < 10) return Status(Code::kInvalidArgument, "PONTE_POLLER_HOLD_US must be >= 10");
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_QUEUE_DEPTH", 1u << 20, &c.queue_depth));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_MAX_INFLIGHT", 1u << 20, &c.max_inflight));
   if (c.queue_depth < 2 || c.max_inflight < 1)

@@ -215,9 +215,10 @@ class Engine {
   // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
   // and takes over again when the polling stops. Never blocks or allocates; false when it did
   // nothing (the worker is running, or there was nothing to do). A thread that called it within
-  // the last 200 us skips the worker's wake-up when it submits (its next call starts the work, or
-  // stop_polling hands it to the worker); other submissions wake the worker. On shm it only
-  // reaps: a post there can block for good on a stopped peer's lock, so the worker makes them.
+  // the last PONTE_POLLER_HOLD_US (2 ms) skips the worker's wake-up when it submits (its next call
+  // starts the work, or stop_polling hands it to the worker); other submissions wake the worker.
+  // On shm it only reaps: a post there can block for good on a stopped peer's lock, so the worker
+  // makes them.
   bool progress(int group);
   // The calling thread stops polling group (it will not call progress() for a while, e.g. it is
   // about to sleep or compute): the worker takes the data path back at once. Without it the worker
@@ -231,9 +232,10 @@ class Engine {
   // nothing (nothing queued, the token busy, or pollers do not post here: shm's worker does).
   bool start_submitted(int group);
   // Whether the calling thread is group's poller now: it called progress(group) within the last
-  // 200 us and did not call stop_polling since. A thread that waits for a stream of operations
-  // can call progress() again while this holds, even when the one it waits for is done already,
-  // so that the worker goes on leaving it the data path. False for an unknown group.
+  // PONTE_POLLER_HOLD_US (2 ms) and did not call stop_polling since. A thread that waits for a
+  // stream of operations can call progress() again while this holds, even when the one it waits
+  // for is done already, so that the worker goes on leaving it the data path. False for an unknown
+  // group.
   bool polled_here(int group) const;
   // Whether a thread in progress(group) posts what is submitted itself (tcp;ofi_rxm, verbs), or
   // only reaps while the worker posts (shm: see progress). Where it only reaps, each submission

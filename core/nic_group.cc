@@ -203,9 +203,9 @@ Status NicGroup::submit(const Op& op) {
     return Status::Ok();
   }
   if (!queue_.push(op)) return Status(Code::kAgain, "group %d: submission queue full (%zu)", index_, queue_.capacity());
-  // A thread that polls this group (progress() within kPollerHoldUs) starts its own submissions
-  // in its next progress() call, where pollers may post: no wake-up. Any other submission wakes
-  // a sleeping worker (which sleeps up to PONTE_POLLER_SLEEP_US while somebody polls).
+  // A thread that polls this group (progress() within PONTE_POLLER_HOLD_US) starts its own
+  // submissions in its next progress() call, where pollers may post: no wake-up. Any other
+  // submission wakes a sleeping worker (which sleeps up to PONTE_POLLER_SLEEP_US while somebody polls).
   if (sleeping_.load(std::memory_order_acquire) && (!pollers_post_ || !polled_here()) &&
       sleeping_.exchange(false, std::memory_order_acq_rel)) {
     uint64_t one = 1;  // once per sleep, not per submission

@@ -107,8 +107,8 @@ class NicGroup {
   // progress() call; no reaping. Where pollers may not post (shm), or the token is busy: nothing.
   bool start_submitted();
   bool pollers_post() const { return pollers_post_; }  // progress() posts here (not on shm)
-  // The calling thread called progress() on this group within kPollerHoldUs and has not stopped
-  // polling since: it is the group's poller, and its submissions start at its next progress().
+  // The calling thread called progress() on this group within PONTE_POLLER_HOLD_US and has not
+  // stopped polling since: it is the group's poller, and its submissions start at its next progress().
   bool polled_here() const;
 
   // Peers.

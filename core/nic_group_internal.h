@@ -44,8 +44,6 @@ inline constexpr uint32_t kPollerBackoffUs = 50;
 // sleep, after 10 ms of silence.
 inline constexpr uint32_t kIdlePollUs = 50;
 inline constexpr uint32_t kDeepIdleAfterUs = 10000;
-// How long after a thread's last progress() call the worker leaves the data path to it.
-inline constexpr uint32_t kPollerHoldUs = 200;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.
 inline constexpr uint32_t kSpinYieldAfterUs = 20;
 // A round whose backend connection fails on this side (on verbs: a new QP refused RTR or RTS) is

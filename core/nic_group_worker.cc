@@ -131,9 +131,9 @@ thread_local Clock::time_point tls_polled_at;        // and when
 }  // namespace
 
 bool NicGroup::on_worker() const { return tls_holder == this; }
-// This thread polls this group: it called progress() on it last, within kPollerHoldUs.
+// This thread polls this group: it called progress() on it last, within PONTE_POLLER_HOLD_US.
 bool NicGroup::polled_here() const {
-  return tls_poller == this && Clock::now() - tls_polled_at < std::chrono::microseconds(kPollerHoldUs);
+  return tls_poller == this && Clock::now() - tls_polled_at < std::chrono::microseconds(cfg_.poller_hold_us);
 }
 
 bool NicGroup::take_token() {
@@ -275,17 +275,19 @@ uint32_t NicGroup::poller_sleep(PassState& st) const {
 }
 
 uint32_t NicGroup::worker_pass(PassState& st) {
-  // A thread polling this group (progress() within the last kPollerHoldUs) moves the data itself,
-  // as NCCL's proxy does inside test(): the worker leaves it the data path (one thread driving
-  // the provider, not two taking turns at the token and the cores) and keeps only what the poller
-  // does not do: control sockets, liveness and timeouts, with growing sleeps in between
-  // (poller_sleep). It takes the data path back once the polling has stopped for kPollerHoldUs.
-  // Where pollers only reap (shm), the
-  // worker still starts and posts what is submitted, but leaves the reaping to the poller and
-  // sleeps once nothing is left to post: each submission wakes it at once (NicGroup::submit),
-  // and a worker spinning beside the poller takes the core the poller needs to submit (three
-  // busy threads on two cores: a Python wait paid 60 us per 64 KiB write on shm, where the
-  // worker's own chain of writes costs 7 us).
+  // A thread polling this group (progress() within the last PONTE_POLLER_HOLD_US) moves the data
+  // itself, as NCCL's proxy does inside test(): the worker leaves it the data path (one thread
+  // driving the provider, not two taking turns at the token and the cores) and keeps only what the
+  // poller does not do: control sockets, liveness and timeouts, with growing sleeps in between
+  // (poller_sleep). It takes the data path back once the polling has stopped for
+  // PONTE_POLLER_HOLD_US (2 ms): a yielding poller on a host whose cores are all taken waits a
+  // scheduler slice (ms) for its core, and a worker that takes the data path meanwhile spins beside
+  // it for the cores (at 200 us, the plugin's 8-byte ping-pong in the SoftRoCE guest took 151-184 us
+  // a half round trip, at 2 ms 95-137 us). Where pollers only reap (shm), the worker still starts
+  // and posts what is submitted, but leaves the reaping to the poller and sleeps once nothing is
+  // left to post: each submission wakes it at once (NicGroup::submit), and a worker spinning beside
+  // the poller takes the core the poller needs to submit (three busy threads on two cores: a Python
+  // wait paid 60 us per 64 KiB write on shm, where the worker's own chain of writes costs 7 us).
   if (poller_left_.load(std::memory_order_relaxed) && poller_left_.exchange(false, std::memory_order_acq_rel)) {
     // The poller said it stops (stop_polling): its calls so far no longer hold the data path.
     st.poll_calls_seen = poll_calls_.load(std::memory_order_relaxed);
@@ -298,7 +300,7 @@ uint32_t NicGroup::worker_pass(PassState& st) {
     // data path back at this wake-up, not at the next one.
     st.poll_calls_seen = calls;
     st.poller_until = Clock::time_point(Clock::duration(last_poll_.load(std::memory_order_relaxed))) +
-                      std::chrono::microseconds(kPollerHoldUs);
+                      std::chrono::microseconds(cfg_.poller_hold_us);
     st.poller_active = true;
   }
   if (st.poller_active) {

@@ -258,16 +258,16 @@ void poll_until_done(EngineState& es, const DoneCell& cell, Clock::time_point en
 // turns at one endpoint and at two cores. A 64 KiB write stream at window 16 on tcp;ofi_rxm
 // (bench/py_overhead.py, best of 3-6) went from 0.68-0.72 of ponte-bench's rate to 0.62-1.72
 // (seven of eleven runs 1.0 or more): 94% of its waits found their operation done, did not poll,
-// and the worker, seeing no poller for 200 us, took the data path back. A thread that did not
-// poll just now (it computed) does not start polling here: the worker moves the data. Not on shm,
-// where waits do not poll.
+// and the worker, seeing no poller for 200 us (the hold then), took the data path back. A thread
+// that did not poll just now (it computed) does not start polling here: the worker moves the data.
+// Not on shm, where waits do not poll.
 //
 // At most one such pass per kPassGap per thread and engine: each pass that finds one completion
 // costs tcp;ofi_rxm a signal write(2) and read(2) (its CQ's wait object is signalled after every
 // completion and reset by the next poll; bench/README), so a stream whose waits each found their
 // write done paid both per write. Passes kPassGap apart reap several at a time and keep the
-// thread the poller (polled_here: a pass within 200 us). Waits for an operation not yet done
-// (poll_until_done) pass as often as they need.
+// thread the poller (polled_here: a pass within PONTE_POLLER_HOLD_US). Waits for an operation not
+// yet done (poll_until_done) pass as often as they need.
 constexpr auto kPassGap = std::chrono::microseconds(50);
 thread_local const Engine* tl_pass_engine = nullptr;  // the engine of this thread's last pass
 thread_local Clock::time_point tl_pass_at;             // ... and when it ran

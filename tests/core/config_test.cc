@@ -12,7 +12,8 @@ class ConfigTest : public ::testing::Test {
   void TearDown() override {
     for (const char* v : {"PONTE_BACKEND", "PONTE_STRIPE_MIN", "PONTE_TIMEOUT_MS", "PONTE_PROGRESS_CORES",
                           "PONTE_IB_GID_INDEX", "PONTE_RECV_SIZE", "PONTE_LOG", "PONTE_NICS", "PONTE_FABRIC_HMEM",
-                          "PONTE_NET_INLINE", "PONTE_POLLER_SLEEP_US", "PONTE_IDLE_SLEEP_US"})
+                          "PONTE_NET_INLINE", "PONTE_POLLER_SLEEP_US", "PONTE_IDLE_SLEEP_US",
+                          "PONTE_POLLER_HOLD_US"})
       unsetenv(v);
   }
 };
@@ -28,6 +29,7 @@ TEST_F(ConfigTest, Defaults) {
   EXPECT_EQ(c->net_inline, 4096u);
   EXPECT_EQ(c->poller_sleep_us, 5000u);
   EXPECT_EQ(c->idle_sleep_us, 1000u);
+  EXPECT_EQ(c->poller_hold_us, 2000u);
 }
 
 TEST_F(ConfigTest, ParsesValues) {
@@ -41,6 +43,7 @@ TEST_F(ConfigTest, ParsesValues) {
   setenv("PONTE_NET_INLINE", "0", 1);
   setenv("PONTE_POLLER_SLEEP_US", "50", 1);
   setenv("PONTE_IDLE_SLEEP_US", "50", 1);
+  setenv("PONTE_POLLER_HOLD_US", "10", 1);
   auto c = Config::from_env();
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->backend, BackendChoice::kFabric);
@@ -53,6 +56,7 @@ TEST_F(ConfigTest, ParsesValues) {
   EXPECT_EQ(c->net_inline, 0u);
   EXPECT_EQ(c->poller_sleep_us, 50u);
   EXPECT_EQ(c->idle_sleep_us, 50u);
+  EXPECT_EQ(c->poller_hold_us, 10u);
   setenv("PONTE_FABRIC_HMEM", "on", 1);
   EXPECT_EQ(Config::from_env()->fabric_hmem, 1);
 }
@@ -66,7 +70,8 @@ TEST_F(ConfigTest, BadValuesNameTheVariable) {
                {"PONTE_RECV_SIZE", "0"},        {"PONTE_LOG", "loud"},          {"PONTE_NICS", "99"},
                {"PONTE_FABRIC_HMEM", "cuda"}, {"PONTE_NET_INLINE", "4097"}, {"PONTE_POLLER_SLEEP_US", "49"},
                {"PONTE_POLLER_SLEEP_US", "60000001"}, {"PONTE_IDLE_SLEEP_US", "49"},
-               {"PONTE_IDLE_SLEEP_US", "60000001"}};
+               {"PONTE_IDLE_SLEEP_US", "60000001"}, {"PONTE_POLLER_HOLD_US", "9"},
+               {"PONTE_POLLER_HOLD_US", "1000001"}};
   for (const auto& cs : cases) {
     setenv(cs.name, cs.value, 1);
     auto c = Config::from_env();

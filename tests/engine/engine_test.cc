@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/config.h"
 #include "core/engine.h"
 #include "core/group_address.h"
 #include "tests/common/completion_counter.h"
@@ -764,9 +765,10 @@ TEST_P(EngineTest, StopPollingHandsTheDataPathBack) {
   EXPECT_EQ(eng_->polling_posts(0), pollers_post);
   EXPECT_FALSE(eng_->polling_posts(99)) << "an unknown group";
   // Who is the poller (what a waiter asks before it polls again for a finished operation): a
-  // thread that called progress() moments ago, until it stops or 200 us pass; never another.
+  // thread that called progress() moments ago, until it stops or PONTE_POLLER_HOLD_US pass; never
+  // another.
   EXPECT_FALSE(eng_->polled_here(0)) << "before any progress() call";
-  bool after = false;  // a pass may outlast 200 us on a loaded host (TSan, the QEMU guest): tries
+  bool after = false;  // a pass may outlast the hold on a loaded host (TSan, the QEMU guest): tries
   for (int i = 0; i < 100 && !after; i++) {
     eng_->progress(0);
     after = eng_->polled_here(0);
@@ -776,8 +778,10 @@ TEST_P(EngineTest, StopPollingHandsTheDataPathBack) {
   std::thread([&] { elsewhere = eng_->polled_here(0); }).join();
   EXPECT_FALSE(elsewhere) << "another thread is not the poller";
   EXPECT_FALSE(eng_->polled_here(99)) << "an unknown group";
-  std::this_thread::sleep_for(1ms);
-  EXPECT_FALSE(eng_->polled_here(0)) << "1 ms after the last progress()";
+  auto cfg = Config::from_env();
+  ASSERT_TRUE(cfg.ok()) << cfg.status().message();
+  std::this_thread::sleep_for(std::chrono::microseconds(cfg->poller_hold_us) + 1ms);
+  EXPECT_FALSE(eng_->polled_here(0)) << "1 ms after the hold (" << cfg->poller_hold_us << " us) ran out";
   eng_->progress(0);
   eng_->stop_polling(0);
   EXPECT_FALSE(eng_->polled_here(0)) << "after stop_polling";
