@@ -748,6 +748,24 @@ TEST_P(EngineTest, PollingThreadProgressesAndWorkerKeepsLiveness) {
   peers_.clear();
 }
 
+// PONTE_POLLER_HOLD_US is how long a thread stays the group's poller after its last progress():
+// with 50 ms, still the poller 5 ms after its call; no longer once the 50 ms have passed.
+TEST_P(EngineTest, APollerStaysThePollerForTheConfiguredHold) {
+  EngineOptions o;
+  o.config = test_config(GetParam());
+  o.config.poller_hold_us = 50'000;
+  o.groups = {pick_devices(o.config, 'A', 1)};
+  auto eng = Engine::create(o);
+  ASSERT_TRUE(eng.ok()) << eng.status().message();
+  Engine& e = **eng;
+  const auto polled_at = std::chrono::steady_clock::now();
+  e.progress(0);
+  std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(e.polled_here(0)) << "5 ms after progress(), with a 50 ms hold";
+  std::this_thread::sleep_until(polled_at + 51ms);
+  EXPECT_FALSE(e.polled_here(0)) << "51 ms after progress(), with a 50 ms hold";
+}
+
 // A thread that polled and then stops (Engine::stop_polling) hands the data path back to the
 // worker at once. While somebody polls, the worker sleeps longer and longer between its passes (up
 // to PONTE_POLLER_SLEEP_US, 2 s here), and a poller's own submissions wait for its next progress()
