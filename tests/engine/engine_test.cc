@@ -758,8 +758,10 @@ TEST_P(EngineTest, APollerStaysThePollerForTheConfiguredHold) {
   auto eng = Engine::create(o);
   ASSERT_TRUE(eng.ok()) << eng.status().message();
   Engine& e = **eng;
-  const auto polled_at = std::chrono::steady_clock::now();
   e.progress(0);
+  // Read after the call returns, so that the hold (counted from inside it) ends before
+  // polled_at + 50 ms however long the first pass took.
+  const auto polled_at = std::chrono::steady_clock::now();
   std::this_thread::sleep_for(5ms);
   EXPECT_TRUE(e.polled_here(0)) << "5 ms after progress(), with a 50 ms hold";
   std::this_thread::sleep_until(polled_at + 51ms);
