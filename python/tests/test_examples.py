@@ -31,6 +31,7 @@ def test_weight_transfer(op):
               "--layers", "2", "--vocab", "1024", "--updates", "2")
     assert "every tensor's checksum verified on every replica after every update" in out
     assert out.count(" yes") == 2
+    assert "after the first update" in out  # the steady-state line, beside the average over all
 
 
 @pytest.mark.parametrize("provider,dtype,topk", [("tcp;ofi_rxm", "float32", "2"), ("shm", "bfloat16", "3")])
