@@ -89,7 +89,10 @@ class Engine:
         """Registers writable contiguous memory (numpy, bytearray, CPU torch tensor)."""
     def write(self, peer: int, region: Region, offset: int, nbytes: int, remote: BytesLike, remote_offset: int,
               imm: Optional[int] = None) -> Operation:
-        """One-sided write; with imm the target counts imms_per_write(peer, nbytes) immediates."""
+        """One-sided write; with imm the target counts imms_per_write(peer, nbytes) immediates.
+
+        The Operation ends when region's bytes may be reused. That they are visible at the target is
+        what its immediates say: on tcp;ofi_rxm the writer's completion can come first."""
     def read(self, peer: int, region: Region, offset: int, nbytes: int, remote: BytesLike,
              remote_offset: int) -> Operation:
         """RDMA read of remote bytes into region."""

@@ -269,6 +269,51 @@ def test_dead_peer_ends_operations_with_error_within_timeout(provider):
         victim.close()
 
 
+def test_large_operation_posts_without_the_gil(provider):
+    """Another Python thread runs while a call posts a large operation (8 MiB as 256 pages of
+    32 KiB, to this engine itself). Where a waiting thread posts what it submits itself
+    (tcp;ofi_rxm), the call posts the whole operation, for milliseconds, with the GIL released;
+    held, the other thread could not run at all during the call. On shm the worker posts and the
+    call returns at once: there the pages are only checked."""
+    eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS)
+    src = (np.arange(8 << 20, dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8)
+    dst = np.zeros(8 << 20, dtype=np.uint8)
+    rs, rd = eng.register(src), eng.register(dst)
+    me = eng.connect(eng.address())
+    eng.imm(me, 1).wait(20)
+    pages = np.arange(256, dtype=np.uint32)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=tick)
+    t.start()
+    during = 0
+    try:
+        for i in range(20):  # until the other thread ran during one call (most often the first)
+            dst[:] = 0
+            done = eng.expect_imm(1300 + i, 256)
+            t0 = time.perf_counter()
+            op = eng.paged_write(me, rs, pages, rd.descriptor(), pages[::-1].copy(), 32 << 10, imm=1300 + i)
+            t1 = time.perf_counter()
+            during += sum(1 for x in ticks[-200000:] if t0 < x < t1)
+            op.wait(20)
+            done.wait(20)  # the target's immediates, not the sender's completion, say the pages landed
+            assert np.array_equal(dst.reshape(256, -1)[::-1], src.reshape(256, -1)), "pages misplaced in round %d" % i
+            if during:
+                break
+    finally:
+        stop.set()
+        t.join()
+        rs.close()
+        rd.close()
+        eng.close()
+    if provider != "shm":
+        assert during > 0, "no other thread ran during 20 calls that posted 8 MiB each: the GIL was held"
+
+
 def test_engine_close_ends_everything(provider):
     eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS)
     exp = eng.expect_imm(1200, 1)
