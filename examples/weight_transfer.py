@@ -207,9 +207,10 @@ def main():
     print("weight_transfer: %d updates, %.1f ms per whole update on average, %.3f GB/s delivered"
           % (args.updates, t_all / args.updates * 1e3, model_bytes * args.replicas * args.updates / t_all / 1e9))
     if len(dts) > 1:
-        # The first update is the first write into the replicas' memory (and the first use of each
-        # connection): here it took several times as long as the later ones. A long-running
-        # replica sees the later kind.
+        # The first update is the first write into the replicas' memory (their handshakes are
+        # done before it): here it took several times as long as the later ones, as first writes
+        # into fresh pages do (examples/kv_cache_transfer.py). A long-running replica sees the
+        # later kind.
         rest = sum(dts[1:])
         print("weight_transfer: after the first update, %.1f ms per whole update, %.3f GB/s delivered"
               % (rest / (len(dts) - 1) * 1e3, model_bytes * args.replicas * (len(dts) - 1) / rest / 1e9))
