@@ -92,6 +92,9 @@ Result<Config> Config::from_env() {
   if (c.ib_qps_per_connection == 0)
     return Status(Code::kInvalidArgument, "PONTE_IB_QPS_PER_CONNECTION must be 1..16");
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_NICS", 16, &c.nics_per_group));
+  int idle_wake = 0;
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_IDLE_WAKE", 1, &idle_wake));
+  c.idle_wake_on_data = idle_wake != 0;
   int flush_host = 0;
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FLUSH_HOST", 1, &flush_host));
   c.flush_host = flush_host != 0;

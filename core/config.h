@@ -35,6 +35,7 @@ struct Config {
   uint32_t spin_us = 200;                        // PONTE_SPIN_US: busy-poll this long after work
   uint32_t poller_sleep_us = 5000;               // PONTE_POLLER_SLEEP_US: worker's longest sleep while polled
   uint32_t idle_sleep_us = 1000;                 // PONTE_IDLE_SLEEP_US: idle worker's longest sleep (>= 50)
+  bool idle_wake_on_data = false;                // PONTE_IDLE_WAKE: idle worker also wakes for arriving data
   uint32_t poller_hold_us = 2000;                // PONTE_POLLER_HOLD_US: a poller keeps the data path this long
   uint32_t queue_depth = 8192;                   // PONTE_QUEUE_DEPTH: submission ring entries
   uint32_t max_inflight = 16384;                 // PONTE_MAX_INFLIGHT: ops in flight per group

@@ -137,6 +137,15 @@ class Nic {
 
   // Reads up to max completions into out; returns how many, never blocks.
   virtual int poll(Completion* out, int max) = 0;
+
+  // A file descriptor that turns readable when traffic arrives for this NIC while nobody polls it
+  // (the provider's wait object), or -1 (none; or none needed: the hardware moves the data).
+  // A manual-progress provider (tcp;ofi_rxm) moves incoming data only inside a poll, so an idle
+  // worker sleeps on it instead of sleeping blind.
+  virtual int wait_fd() const { return -1; }
+  // Before sleeping on wait_fd(): whether the sleep may start now (fi_trywait: nothing is pending
+  // that a poll would find, and the wait object is reset). False: poll first. Never blocks.
+  virtual bool arm_wait() { return false; }
 };
 
 class Backend {

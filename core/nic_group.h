@@ -259,7 +259,12 @@ class NicGroup {
   // none. Call with peers_mu_ held.
   PeerId find_peer(uint64_t nonce, uint8_t group, int traffic_class) const;
   uint32_t alloc_slot();
-  void sleep_idle(uint32_t us);
+  // us = 0 does not sleep. on_nics: the NICs' wait objects are armed (arm_nic_waits), and incoming
+  // traffic ends the sleep too.
+  void sleep_idle(uint32_t us, bool on_nics = false);
+  // Under the token, before a long idle sleep: whether every NIC with a wait object armed it, and
+  // at least one has one.
+  bool arm_nic_waits();
   void post_recv_buffers();
   void epoll_add(int fd, uint64_t tag);
   void epoll_del(int fd);

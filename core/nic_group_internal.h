@@ -14,6 +14,7 @@ inline constexpr uint32_t kMaxPeers = 4096;
 // epoll tags: a peer's socket is (id << 1) | which; a pending one kPendingBit | fd.
 inline constexpr uint64_t kWakeTag = ~uint64_t{0};
 inline constexpr uint64_t kListenTag = ~uint64_t{0} - 1;
+inline constexpr uint64_t kNicWaitTag = ~uint64_t{0} - 2;  // a NIC's wait object (Nic::wait_fd)
 inline constexpr uint64_t kPendingBit = uint64_t{1} << 62;
 // Accepted connections that have not named their peer yet: at most this many (more are closed at
 // once), each given at most kAuthWindowMs (and PONTE_TIMEOUT_MS) to prove it was invited, checked
@@ -41,7 +42,8 @@ inline constexpr uint32_t kPollerBackoffUs = 50;
 // engine 11-13 % of a core on this project's 2-core host (1-1.7 % now), and an NCCL rank keeps
 // one idle engine (device 0's, from the probe) beside the one it uses. Submissions and control
 // messages still wake it at once; what waits is only incoming data nobody waits for, up to that
-// sleep, after 10 ms of silence.
+// sleep, after 10 ms of silence. With PONTE_IDLE_WAKE, sleeps longer than kIdlePollUs end when
+// such data arrives too, where the NICs give a wait object (Nic::wait_fd: tcp;ofi_rxm only).
 inline constexpr uint32_t kIdlePollUs = 50;
 inline constexpr uint32_t kDeepIdleAfterUs = 10000;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.

@@ -31,6 +31,7 @@ const char* CallGuard::name(uint64_t word) {
     case kPostRecv: return "a receive post (fi_recv, ibv_post_srq_recv)";
     case kPoll: return "a completion poll (fi_cq_read, ibv_poll_cq)";
     case kFlushPosts: return "a chain of posts (ibv_post_send)";
+    case kArmWait: return "a wait object's arming (fi_trywait)";
     case kNone: break;
   }
   return "a provider call";

@@ -62,7 +62,7 @@ class CallGuard {
  public:
   enum Call : uint8_t {
     kNone = 0, kAddPeer, kConnectBlob, kCompleteConnect, kRemovePeer, kTrafficClass, kRegister,
-    kDeregister, kPostWrite, kPostRead, kPostSend, kPostRecv, kPoll, kFlushPosts
+    kDeregister, kPostWrite, kPostRead, kPostSend, kPostRecv, kPoll, kFlushPosts, kArmWait
   };
   static const char* name(uint64_t word);  // "a write post (fi_writedata, ibv_post_send)", ...
 
@@ -167,6 +167,10 @@ class WatchedNic final : public Nic {
   }
   int poll(Completion* out, int max) override {
     return call(CallGuard::kPoll, [&] { return inner_->poll(out, max); });
+  }
+  int wait_fd() const override { return inner_->wait_fd(); }
+  bool arm_wait() override {
+    return call(CallGuard::kArmWait, [&] { return inner_->arm_wait(); });
   }
 
  private:

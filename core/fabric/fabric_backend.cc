@@ -87,7 +87,7 @@ Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
                   "libfabric provider '%.24s' has no RDM endpoint with RMA + CQ data: %s",
                   provider.c_str(), lib->error_text(rc));
   }
-  std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg.max_inflight));
+  std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg.max_inflight, cfg.idle_wake_on_data));
   for (struct fi_info* it = list; it != nullptr; it = it->next) {
     if (it->domain_attr == nullptr || it->domain_attr->name == nullptr) continue;
     bool seen = false;
@@ -115,7 +115,7 @@ Result<std::unique_ptr<Nic>> FabricBackend::open_nic(size_t device_index) {
     return Status(Code::kInvalidArgument, "no libfabric device %zu (%zu listed)", device_index,
                   infos_.size());
   }
-  return FabricNic::open(lib_, *infos_[device_index], devices_[device_index], max_inflight_);
+  return FabricNic::open(lib_, *infos_[device_index], devices_[device_index], max_inflight_, wake_on_data_);
 }
 
 }  // namespace fabric

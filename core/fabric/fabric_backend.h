@@ -27,11 +27,12 @@ class FabricBackend final : public Backend {
   const FabricLibrary& library() const { return lib_; }
 
  private:
-  FabricBackend(const FabricLibrary& lib, uint32_t max_inflight)
-      : lib_(lib), max_inflight_(max_inflight) {}
+  FabricBackend(const FabricLibrary& lib, uint32_t max_inflight, bool wake_on_data)
+      : lib_(lib), max_inflight_(max_inflight), wake_on_data_(wake_on_data) {}
 
   const FabricLibrary& lib_;
   uint32_t max_inflight_;
+  bool wake_on_data_;  // Config::idle_wake_on_data
   std::vector<struct fi_info*> infos_;  // one fi_dupinfo copy per device, same order as devices_
   std::vector<NicInfo> devices_;
 };

@@ -90,15 +90,21 @@ class FabricCq {
   FabricCq& operator=(const FabricCq&) = delete;
   ~FabricCq();
 
-  // FI_CQ_FORMAT_DATA, no wait object (ponte polls).
-  Status open(const FabricLibrary& lib, struct fid_domain* domain, size_t size);
+  // FI_CQ_FORMAT_DATA. With want_wait, asks for an FI_WAIT_FD wait object (for an idle worker to
+  // sleep on: Nic::wait_fd) and falls back to none where the provider has none to give.
+  Status open(const FabricLibrary& lib, struct fid_domain* domain, size_t size, bool want_wait);
   struct fid_cq* cq() const {
     return cq_;
+  }
+  // The wait object's descriptor, or -1.
+  int wait_fd() const {
+    return wait_fd_;
   }
 
  private:
   const FabricLibrary* lib_ = nullptr;
   struct fid_cq* cq_ = nullptr;
+  int wait_fd_ = -1;
 };
 
 }  // namespace ponte::fabric

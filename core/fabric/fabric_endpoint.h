@@ -37,9 +37,10 @@ bool refuses_one_operation(int err);
 class FabricNic final : public Nic {
  public:
   // info: the device's fi_info (copied; the backend may go away first). max_inflight caps the
-  // transmit contexts (the provider's tx queue size is the other cap).
+  // transmit contexts (the provider's tx queue size is the other cap). wake_on_data: give the CQ a
+  // wait object where it was checked to work (Config::idle_wake_on_data, Nic::wait_fd).
   static Result<std::unique_ptr<Nic>> open(const FabricLibrary& lib, const struct fi_info& info,
-                                           const NicInfo& nic_info, uint32_t max_inflight);
+                                           const NicInfo& nic_info, uint32_t max_inflight, bool wake_on_data);
   ~FabricNic() override;
 
   const NicInfo& info() const override { return info_; }
@@ -60,10 +61,12 @@ class FabricNic final : public Nic {
                    uint64_t ctx, bool inline_ok) override;  // never inlines: inline_ok unused
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override;
   int poll(Completion* out, int max) override;
+  int wait_fd() const override { return cq_.wait_fd(); }
+  bool arm_wait() override;
 
  private:
   FabricNic(const FabricLibrary& lib, const NicInfo& nic_info) : lib_(lib), info_(nic_info) {}
-  Status init(const struct fi_info& info, uint32_t max_inflight);
+  Status init(const struct fi_info& info, uint32_t max_inflight, bool wake_on_data);
   Status create_endpoint(struct fi_info* fi);
   static constexpr int kShmNameTries = 16;  // endpoint indices tried past a dead process's regions
   Status post_failed(ssize_t rc, const char* what, OpContext* op);

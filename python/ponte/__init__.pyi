@@ -60,9 +60,14 @@ class Region:
 ScatterTarget = Tuple[int, int, int, BytesLike, int]  # (peer, src_offset, nbytes, remote, remote_offset)
 
 class Engine:
-    """ponte's RDMA engine (one host-memory NIC group), configured by PONTE_* variables."""
+    """ponte's RDMA engine (one host-memory NIC group), configured by PONTE_* variables.
+
+    idle_wake=True (PONTE_IDLE_WAKE=1): an idle engine's worker also wakes for data arriving, so
+    that peers' writes into an engine that waits for nothing move at once on a provider that needs
+    the target's progress (tcp;ofi_rxm), at some cost to small messages' latency there.
+    """
     def __init__(self, *, backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
-                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ...) -> None: ...
+                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...) -> None: ...
     @property
     def backend(self) -> str:
         """'fabric' or 'verbs'."""
@@ -123,7 +128,7 @@ class Communicator:
     """W ranks over one engine of their own, bootstrapped through allgather(bytes) -> list[bytes]."""
     def __init__(self, rank: int, world: int, allgather: Callable[[bytes], Sequence[BytesLike]], *,
                  backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
-                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ...) -> None: ...
+                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...) -> None: ...
     @classmethod
     def from_torch(cls, group: Any = None, **engine_kwargs: Any) -> "Communicator":
         """Over an initialised torch.distributed group (gloo works on CPU)."""

@@ -739,9 +739,12 @@ Config engine_config(const pyb::kwargs& kw) {
       c.spin_us = arg_u32(v, "spin_us");
     } else if (k == "ctrl_addr") {
       c.ctrl_addr = pyb::str(v);
+    } else if (k == "idle_wake") {
+      if (!PyBool_Check(v.ptr())) raise_type("idle_wake must be a bool");
+      c.idle_wake_on_data = v.ptr() == Py_True;
     } else {
       raise_type("Engine() got an unexpected keyword argument '%s' (known: backend, provider, nics, timeout_ms, "
-                 "stripe_min, spin_us, ctrl_addr)", k.c_str());
+                 "stripe_min, spin_us, ctrl_addr, idle_wake)", k.c_str());
     }
   }
   return c;
@@ -811,7 +814,9 @@ void bind_engine(pyb::module_& m) {
       m, "Engine",
       "ponte's RDMA engine (one host-memory NIC group). Configured by the PONTE_* environment variables; "
       "keyword overrides: backend ('auto'|'fabric'|'verbs'), provider (libfabric provider, e.g. 'tcp;ofi_rxm', "
-      "'shm'), nics, timeout_ms, stripe_min, spin_us, ctrl_addr. Create engines after any fork().")
+      "'shm'), nics, timeout_ms, stripe_min, spin_us, ctrl_addr, idle_wake (PONTE_IDLE_WAKE: an idle engine "
+      "wakes for data arriving; for an engine written to while it waits for nothing). Create engines after any "
+      "fork().")
       .def(py::init([](py::kwargs kw) { return make_engine(kw); }))
       .def_property_readonly("backend", [](EngineState& s) { return std::string(backend_name(s.live("backend").backend())); },
                              "'fabric' or 'verbs'.")

@@ -156,6 +156,8 @@ def test_register_arguments(self_link):
         ponte.Engine(colour="blue")
     with pytest.raises(ValueError, match="backend"):
         ponte.Engine(backend="carrier-pigeon")
+    with pytest.raises(TypeError, match="idle_wake must be a bool"):
+        ponte.Engine(idle_wake=1)
 
 
 def test_region_keeps_its_object_alive_and_closes(self_link):

@@ -329,3 +329,38 @@ def test_engine_close_ends_everything(provider):
     assert e.value.code == ponte.Code.CANCELLED
     r.close()  # after the engine: nothing left to deregister, no crash
     eng.close()  # twice: no-op
+
+
+def test_idle_wake_moves_writes_into_an_engine_that_waits_for_nothing_tcp_rxm(monkeypatch):
+    """tcp;ofi_rxm moves a peer's writes into an engine only while that engine polls its provider.
+    With idle_wake=True (PONTE_IDLE_WAKE=1) its idle worker sleeps on the provider's wait object and
+    wakes when data arrives, so plain writes into an engine that waits for nothing (no immediate,
+    no expect_imm) finish now rather than at its next blind poll. Here that poll is seconds away:
+    the target's idle sleeps may grow to 60 s and it has been idle for 4 s before the writes. Without
+    the wake-up, the last of the writer's 8 MiB landed 4.1-4.9 s after the first write here; with
+    it, 0.12-0.14 s (the check's 10 ms polls included). shm needs no target progress,
+    and PONTE_IDLE_WAKE does nothing there."""
+    provider = "tcp;ofi_rxm"
+    monkeypatch.setenv("PONTE_IDLE_SLEEP_US", str(60 * 1000 * 1000))  # the spawned target's
+    target = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS, idle_wake=True)
+    eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS)
+    try:
+        page, pages = 32 << 10, 256
+        remote = target.call("register", page * pages)
+        src = pattern(page * pages, 41)
+        with eng.register(src) as r:
+            pid = eng.connect(target.addr)
+            eng.write(pid, r, 0, page, remote, 0).wait(20)  # connected
+            time.sleep(4.0)  # the target's sleeps grow to seconds
+            t0 = time.monotonic()
+            ops = [eng.write(pid, r, k * page, page, remote, k * page) for k in range(pages)]
+            for op in ops:
+                op.wait(TIMEOUT_MS / 1000 + 10)
+            # Until every byte is in the target's memory (the writer's completions can come first:
+            # the sockets hold the rest until the target's provider reads them).
+            assert target.call("check", 0, page * pages, 41, 0, 30.0) == -1
+            elapsed = time.monotonic() - t0
+            assert elapsed < 2.0, "8 MiB of writes into an idle engine took %.2f s to land" % elapsed
+        eng.close()
+    finally:
+        target.close()

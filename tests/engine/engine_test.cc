@@ -2,6 +2,7 @@
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -76,10 +77,11 @@ std::vector<size_t> pick_devices(const Config& cfg, char side, int nics) {
 }
 
 Result<std::unique_ptr<Engine>> make_engine(const Setup& s, char side, int nics, uint32_t timeout_ms = 5000,
-                                            uint32_t poller_sleep_us = 0) {
+                                            uint32_t poller_sleep_us = 0, bool idle_wake = false) {
   EngineOptions o;
   o.config = test_config(s);
   if (poller_sleep_us) o.config.poller_sleep_us = poller_sleep_us;
+  o.config.idle_wake_on_data = idle_wake;
   // SoftRoCE under QEMU moves tens of MB/s: a 64 MiB write needs more than 5 s there.
   o.config.timeout_ms = s.backend == BackendChoice::kVerbs ? 6 * timeout_ms : timeout_ms;
   o.groups = {pick_devices(o.config, side, nics)};
@@ -92,9 +94,9 @@ struct ConnectedPair {
   std::unique_ptr<Engine> a, b;
   PeerId a_to_b = 0;
 };
-void open_pair(const Setup& s, ConnectedPair* p) {
-  auto a = make_engine(s, 'A', 1);
-  auto b = make_engine(s, 'B', 1);
+void open_pair(const Setup& s, ConnectedPair* p, bool idle_wake = false) {
+  auto a = make_engine(s, 'A', 1, 5000, 0, idle_wake);
+  auto b = make_engine(s, 'B', 1, 5000, 0, idle_wake);
   ASSERT_TRUE(a.ok() && b.ok());
   p->a = std::move(a).value();
   p->b = std::move(b).value();
@@ -569,9 +571,15 @@ std::vector<PeerId> wait_inbound(Engine& e, size_t n) {
 }
 
 // How often this process's workers ("ponte-g<N>" threads) went to sleep so far: the sum of their
-// voluntary context switches, and how many there are.
-std::pair<uint64_t, int> worker_sleeps() {
+// voluntary context switches, how many there are, and the CPU time they used (clock ticks). A worker
+// whose sleeps end at once (a wait object that stays readable) sleeps seldom too, but spins.
+struct WorkerStats {
   uint64_t sleeps = 0;
+  int workers = 0;
+  uint64_t cpu_ticks = 0;
+};
+WorkerStats worker_sleeps() {
+  uint64_t sleeps = 0, cpu_ticks = 0;
   int workers = 0;
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir("/proc/self/task"), closedir);
   if (!dir) return {0, 0};
@@ -585,8 +593,18 @@ std::pair<uint64_t, int> worker_sleeps() {
     std::ifstream st(task + "/status");
     for (std::string line; std::getline(st, line);)
       if (line.rfind("voluntary_ctxt_switches:", 0) == 0) sleeps += std::stoull(line.substr(24));
+    // /proc/<pid>/task/<tid>/stat: utime and stime are the 14th and 15th fields; the 2nd, (comm),
+    // holds no space here ("ponte-g0").
+    std::ifstream stat(task + "/stat");
+    std::string field;
+    uint64_t utime = 0, stime = 0;
+    for (int i = 1; i <= 15 && stat >> field; i++) {
+      if (i == 14) utime = std::stoull(field);
+      if (i == 15) stime = std::stoull(field);
+    }
+    cpu_ticks += utime + stime;
   }
-  return {sleeps, workers};
+  return {sleeps, workers, cpu_ticks};
 }
 
 // A group with nothing to do (connected, nothing submitted, in flight or waited for) polls its
@@ -595,10 +613,20 @@ std::pair<uint64_t, int> worker_sleeps() {
 // a core here. Load only lengthens sleeps, so a busy host cannot push the count over the bound:
 // over half a second a worker slept 458 times here, 3,978 with PONTE_IDLE_SLEEP_US=50 (the old
 // bound). And the quiet costs no correctness: a write after the silence wakes both sides and
-// lands.
+// lands. The same with PONTE_IDLE_WAKE (Config::idle_wake_on_data), where the worker sleeps on
+// the provider's wait object too (tcp;ofi_rxm): an object that stayed signalled would wake it at
+// once, every time.
+void idle_worker_sleeps_long(const Setup& setup, bool idle_wake);
 TEST_P(EngineTest, AnIdleWorkerSleepsLongAndWakesForTheNextWrite) {
+  for (bool idle_wake : {false, true}) {
+    SCOPED_TRACE(idle_wake ? "PONTE_IDLE_WAKE=1" : "PONTE_IDLE_WAKE=0");
+    ASSERT_NO_FATAL_FAILURE(idle_worker_sleeps_long(GetParam(), idle_wake));
+  }
+}
+
+void idle_worker_sleeps_long(const Setup& setup, bool idle_wake) {
   ConnectedPair pair;
-  ASSERT_NO_FATAL_FAILURE(open_pair(GetParam(), &pair));
+  ASSERT_NO_FATAL_FAILURE(open_pair(setup, &pair, idle_wake));
   Engine* engines[2] = {pair.a.get(), pair.b.get()};
   const auto inbound = wait_inbound(*engines[1], 1);
   ASSERT_EQ(inbound.size(), 1u) << "A's connection never reached B";
@@ -606,13 +634,17 @@ TEST_P(EngineTest, AnIdleWorkerSleepsLongAndWakesForTheNextWrite) {
   ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, ids, 31, "before the silence"));
   std::this_thread::sleep_for(100ms);  // past kDeepIdleAfterUs and the ramp to the long sleep
   const auto before = worker_sleeps();
-  ASSERT_GE(before.second, 2) << "no ponte-g* worker threads found in /proc/self/task";
+  ASSERT_GE(before.workers, 2) << "no ponte-g* worker threads found in /proc/self/task";
   std::this_thread::sleep_for(500ms);
   const auto after = worker_sleeps();
-  ASSERT_EQ(after.second, before.second);
-  const uint64_t per_worker = (after.first - before.first) / static_cast<uint64_t>(after.second);
+  ASSERT_EQ(after.workers, before.workers);
+  const uint64_t per_worker = (after.sleeps - before.sleeps) / static_cast<uint64_t>(after.workers);
   EXPECT_LT(per_worker, 2000u) << "an idle worker went to sleep " << per_worker
                                << " times in 500 ms: it polls as if busy";
+  // CPU: 1-2 % of a core per idle worker here; a spinning one takes most of a core it can get.
+  const double cpu_ms = static_cast<double>(after.cpu_ticks - before.cpu_ticks) * 1000.0 /
+                        static_cast<double>(sysconf(_SC_CLK_TCK)) / after.workers;
+  EXPECT_LT(cpu_ms, 100.0) << "an idle worker used " << cpu_ms << " ms of CPU in 500 ms: it spins";
   ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, ids, 32, "after the silence"));
 }
 

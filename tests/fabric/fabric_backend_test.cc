@@ -1,6 +1,7 @@
 // Tests of the libfabric backend over real providers on loopback: two NICs of one process (the
 // same device opened twice) write, read, send and receive to each other, with data verified.
 #include <gtest/gtest.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <chrono>
@@ -259,6 +260,94 @@ TEST_P(FabricPair, ImmediateAloneArrives) {
     Completion remote;
     ASSERT_TRUE(wait([&] { return take_imm(b_done_, wr.imm, &remote); }));
     EXPECT_EQ(remote.len, 0u);
+  }
+}
+
+// PONTE_IDLE_WAKE (Config::idle_wake_on_data): a NIC's completion queue has a wait object only when
+// asked, and only where it was checked to work (tcp;ofi_rxm). There, once arm_wait() said the CQ may
+// wait, a write from the peer makes the descriptor readable while nobody polls the target: what
+// the idle worker sleeps on (NicGroup::sleep_idle).
+TEST_P(FabricPair, AWaitObjectOnlyWhereAskedAndDataArrivingWakesIt) {
+  EXPECT_EQ(a_->wait_fd(), -1) << "a wait object without PONTE_IDLE_WAKE";
+  EXPECT_FALSE(a_->arm_wait());
+  Config cfg;
+  cfg.fabric_provider = GetParam();
+  cfg.idle_wake_on_data = true;
+  a_.reset();
+  b_.reset();
+  backend_.reset();
+  auto backend = open_fabric_backend(cfg);
+  ASSERT_TRUE(backend.ok()) << backend.status().message();
+  backend_ = std::move(*backend);
+  auto a = backend_->open_nic(0);
+  auto b = backend_->open_nic(0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  a_ = std::move(*a);
+  b_ = std::move(*b);
+  auto ab = a_->add_peer(b_->address());
+  ASSERT_TRUE(ab.ok() && b_->add_peer(a_->address()).ok());
+  a_to_b_ = *ab;
+  const bool checked_here = std::string(GetParam()) == "tcp;ofi_rxm";
+  ASSERT_EQ(b_->wait_fd() >= 0, checked_here) << "wait object: " << b_->wait_fd();
+  if (!checked_here) {
+    EXPECT_FALSE(b_->arm_wait());
+    return;
+  }
+  Region src(a_.get(), 1 << 20), dst(b_.get(), 1 << 20);
+  fill(src.bytes, 0, src.bytes.size(), 5);
+  {  // connected first (tcp;ofi_rxm connects on the first post, with both sides polled)
+    WriteWr hello;
+    hello.peer = a_to_b_;
+    hello.remote_addr = dst.remote(0);
+    hello.rkey = dst.mr.rkey;
+    hello.has_imm = true;
+    hello.imm = 0x50FFu;
+    hello.ctx = 8999;
+    ASSERT_TRUE(post_retrying([&] { return a_->post_write(hello); }).ok());
+    Completion remote;
+    ASSERT_TRUE(wait([&] { return take_imm(b_done_, hello.imm, &remote); }));
+    EXPECT_EQ(wait_local(hello.ctx).error, Code::kOk);
+  }
+  for (uint32_t round = 0; round < 3; ++round) {
+    SCOPED_TRACE(testing::Message() << "round " << round);
+    Completion c[64];
+    // Everything before this round polled away, and the object armed (reset).
+    const auto arm_deadline = Clock::now() + kDeadline;
+    bool armed = false;
+    while (!(armed = b_->arm_wait()) && Clock::now() < arm_deadline) poll_both();
+    ASSERT_TRUE(armed) << "arm_wait() never said the CQ may wait";
+    pollfd pfd{b_->wait_fd(), POLLIN, 0};
+    ASSERT_EQ(poll(&pfd, 1, 0), 0) << "readable right after arming, with nothing sent";
+    WriteWr wr;
+    wr.peer = a_to_b_;
+    wr.local = src.at(0);
+    wr.len = src.bytes.size();
+    wr.desc = src.mr.desc;
+    wr.remote_addr = dst.remote(0);
+    wr.rkey = dst.mr.rkey;
+    wr.has_imm = true;
+    wr.imm = 0x5100u + round;
+    wr.ctx = 9000 + round;
+    Status st;
+    const auto post_deadline = Clock::now() + kDeadline;
+    while ((st = a_->post_write(wr)).code() == Code::kAgain && Clock::now() < post_deadline) {
+      ASSERT_GE(a_->poll(c, 64), 0);
+    }
+    ASSERT_TRUE(st.ok()) << st.message();
+    // Only the writer is polled: the target's descriptor must turn readable on its own.
+    const auto deadline = Clock::now() + kDeadline;
+    int ready = 0;
+    while (ready == 0 && Clock::now() < deadline) {
+      int n = a_->poll(c, 64);
+      ASSERT_GE(n, 0);
+      a_done_.insert(a_done_.end(), c, c + n);
+      ready = poll(&pfd, 1, 1);
+    }
+    ASSERT_EQ(ready, 1) << "the target's wait object never turned readable";
+    Completion remote;
+    ASSERT_TRUE(wait([&] { return take_imm(b_done_, wr.imm, &remote); })) << "the immediate never arrived";
+    EXPECT_EQ(memcmp(dst.at(0), src.at(0), src.bytes.size()), 0);
+    EXPECT_EQ(wait_local(wr.ctx).error, Code::kOk);
   }
 }
 
