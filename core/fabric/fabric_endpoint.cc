@@ -61,8 +61,9 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight, bool w
   // With PONTE_IDLE_WAKE, a wait object for the idle worker to sleep on (Nic::wait_fd), where
   // incoming data needs this side's polls and the object was seen to behave: on tcp;ofi_rxm it
   // turns readable when data arrives and fi_trywait resets it. Not on shm (its writers copy into
-  // the target's memory themselves), nor on net, whose descriptor stayed readable after
-  // fi_trywait said the CQ could wait (an idle worker woke 3,700 times in 500 ms). Opt-in: on
+  // the target's memory themselves), nor on net: with it an idle engine's worker woke 3,719 times
+  // in 500 ms (tests/engine), though a raw program saw net's descriptor reset and wake as
+  // tcp's does for single writes; the cause was not found. Opt-in: on
   // tcp;ofi_rxm it costs every completion a signal and the provider's progress an epoll set
   // (8-byte ping-pong 1.2 -> 1.4x raw libfabric's latency).
   PONTE_RETURN_IF_ERROR(cq_.open(lib_, domain_.domain(), static_cast<size_t>(tx) + rx,
