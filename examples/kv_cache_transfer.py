@@ -17,7 +17,8 @@ Both measurements find decode's cache warm and decode waiting, as in a long-runn
 - Decode waits for the plain writes' immediates as it waits for a request's. An engine whose
   application waits for nothing leaves incoming data to an idle worker, which on a provider that
   needs the target's progress (``tcp;ofi_rxm``) polls only every ``PONTE_IDLE_SLEEP_US`` (1 ms):
-  32 KiB writes into such an engine took 0.96-1.2 ms each here.
+  32 KiB writes into such an engine took 0.96-1.2 ms each here. A decode that cannot post its
+  wait first can create its engine with ``idle_wake=True`` (``PONTE_IDLE_WAKE=1``; README).
 
     PYTHONPATH=build/python /usr/bin/python3 examples/kv_cache_transfer.py
     ... --provider shm --layers 32 --blocks 256 --page-kib 32 --requests 16
