@@ -35,6 +35,10 @@ struct NicInfo {
   // A post can wait, without bound, on the peer process itself (libfabric's shm takes a lock in
   // the peer's shared memory): only the group's worker posts then, never a polling thread.
   bool post_may_block_on_peer = false;
+  // fi_trywait resets the CQ's wait object, so that an idle worker may sleep on it
+  // (PONTE_IDLE_WAKE, Nic::wait_fd); where it does not, the object stays readable after the first
+  // completion and every sleep on it ends at once.
+  bool cq_wait_resets = false;
 };
 
 enum class MemKind : uint8_t { kHost = 0, kCuda = 1 };
@@ -141,7 +145,8 @@ class Nic {
   // A file descriptor that turns readable when traffic arrives for this NIC while nobody polls it
   // (the provider's wait object), or -1 (none; or none needed: the hardware moves the data).
   // A manual-progress provider (tcp;ofi_rxm) moves incoming data only inside a poll, so an idle
-  // worker sleeps on it instead of sleeping blind.
+  // worker sleeps on it instead of sleeping blind. It may turn -1 for good after an arm_wait()
+  // (an object the provider does not reset is dropped), never the other way.
   virtual int wait_fd() const { return -1; }
   // Before sleeping on wait_fd(): whether the sleep may start now (fi_trywait: nothing is pending
   // that a poll would find, and the wait object is reset). False: poll first. Never blocks.

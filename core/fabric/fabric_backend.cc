@@ -41,11 +41,21 @@ int query(const FabricLibrary& lib, const std::string& provider, bool hmem, stru
   return rc;
 }
 
-NicInfo describe(const struct fi_info& info) {
+// lib_version: fi_version() of the loaded library.
+NicInfo describe(const struct fi_info& info, uint32_t lib_version) {
   NicInfo out;
   out.name = info.domain_attr->name ? info.domain_attr->name : "";
   out.provider = info.fabric_attr->prov_name ? info.fabric_attr->prov_name : "";
   out.post_may_block_on_peer = out.provider == "shm";  // it spins on a lock in the peer's memory
+  // Which providers' fi_trywait resets the CQ's wait object. Before 1.18, tcp;ofi_rxm is rxm over
+  // the old tcp code, whose fi_trywait is libfabric's common one: it resets (checked here, 1.17).
+  // net (1.17) and tcp from 1.18 on are one code (xnet), whose fi_trywait returned 0 and reset
+  // nothing until upstream commit 9057c4c95 ("prov/tcp: Fix spinning on fi_trywait()", in 1.19):
+  // seen here as 3,719 wake-ups of an idle worker in 500 ms over net. From 1.19 on it resets (not
+  // checked here: Debian 12 has 1.17); FabricNic::arm_wait drops an object that stays readable.
+  const bool xnet_fixed = lib_version >= FI_VERSION(1, 19);
+  if (out.provider == "tcp;ofi_rxm") out.cq_wait_resets = lib_version < FI_VERSION(1, 18) || xnet_fixed;
+  if (out.provider == "net" || out.provider == "tcp") out.cq_wait_resets = xnet_fixed;
   if (info.nic != nullptr && info.nic->bus_attr != nullptr &&
       info.nic->bus_attr->bus_type == FI_BUS_PCI) {
     const struct fi_pci_attr& pci = info.nic->bus_attr->attr.pci;
@@ -87,7 +97,7 @@ Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
                   "libfabric provider '%.24s' has no RDM endpoint with RMA + CQ data: %s",
                   provider.c_str(), lib->error_text(rc));
   }
-  std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg.max_inflight, cfg.idle_wake_on_data));
+  std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg));
   for (struct fi_info* it = list; it != nullptr; it = it->next) {
     if (it->domain_attr == nullptr || it->domain_attr->name == nullptr) continue;
     bool seen = false;
@@ -96,7 +106,7 @@ Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
     struct fi_info* copy = lib->dupinfo(it);
     if (copy == nullptr) continue;
     backend->infos_.push_back(copy);
-    backend->devices_.push_back(describe(*copy));
+    backend->devices_.push_back(describe(*copy, lib->version));
   }
   lib->freeinfo(list);
   if (backend->devices_.empty()) {
@@ -115,7 +125,9 @@ Result<std::unique_ptr<Nic>> FabricBackend::open_nic(size_t device_index) {
     return Status(Code::kInvalidArgument, "no libfabric device %zu (%zu listed)", device_index,
                   infos_.size());
   }
-  return FabricNic::open(lib_, *infos_[device_index], devices_[device_index], max_inflight_, wake_on_data_);
+  const NicInfo& nic = devices_[device_index];
+  const bool cq_wait = wake_on_data_ && (nic.cq_wait_resets || wake_unchecked_);
+  return FabricNic::open(lib_, *infos_[device_index], nic, max_inflight_, cq_wait);
 }
 
 }  // namespace fabric

@@ -27,12 +27,14 @@ class FabricBackend final : public Backend {
   const FabricLibrary& library() const { return lib_; }
 
  private:
-  FabricBackend(const FabricLibrary& lib, uint32_t max_inflight, bool wake_on_data)
-      : lib_(lib), max_inflight_(max_inflight), wake_on_data_(wake_on_data) {}
+  FabricBackend(const FabricLibrary& lib, const Config& cfg)
+      : lib_(lib), max_inflight_(cfg.max_inflight), wake_on_data_(cfg.idle_wake_on_data),
+        wake_unchecked_(cfg.idle_wake_unchecked) {}
 
   const FabricLibrary& lib_;
   uint32_t max_inflight_;
-  bool wake_on_data_;  // Config::idle_wake_on_data
+  bool wake_on_data_;    // Config::idle_wake_on_data
+  bool wake_unchecked_;  // Config::idle_wake_unchecked
   std::vector<struct fi_info*> infos_;  // one fi_dupinfo copy per device, same order as devices_
   std::vector<NicInfo> devices_;
 };

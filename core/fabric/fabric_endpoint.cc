@@ -1,6 +1,7 @@
 // The libfabric Nic: endpoint setup, peers, registration, posts and completion polling.
 #include "core/fabric/fabric_endpoint.h"
 
+#include <poll.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
@@ -34,13 +35,13 @@ const Status& again_status() {
 }  // namespace
 
 Result<std::unique_ptr<Nic>> FabricNic::open(const FabricLibrary& lib, const struct fi_info& info,
-                                             const NicInfo& nic_info, uint32_t max_inflight, bool wake_on_data) {
+                                             const NicInfo& nic_info, uint32_t max_inflight, bool cq_wait) {
   std::unique_ptr<FabricNic> nic(new FabricNic(lib, nic_info));
-  PONTE_RETURN_IF_ERROR(nic->init(info, max_inflight, wake_on_data));
+  PONTE_RETURN_IF_ERROR(nic->init(info, max_inflight, cq_wait));
   return std::unique_ptr<Nic>(std::move(nic));
 }
 
-Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight, bool wake_on_data) {
+Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight, bool cq_wait) {
   fi_.lib = &lib_;
   fi_.info = lib_.dupinfo(&info);
   if (fi_.info == nullptr) return Status(Code::kResource, "fi_dupinfo failed");
@@ -59,15 +60,12 @@ Status FabricNic::init(const struct fi_info& info, uint32_t max_inflight, bool w
   repost_ = std::make_unique<OpContext*[]>(rx);
   cancelled_ = std::make_unique<OpContext*[]>(tx);
   // With PONTE_IDLE_WAKE, a wait object for the idle worker to sleep on (Nic::wait_fd), where
-  // incoming data needs this side's polls and the object was seen to behave: on tcp;ofi_rxm it
-  // turns readable when data arrives and fi_trywait resets it. Not on shm (its writers copy into
-  // the target's memory themselves), nor on net: with it an idle engine's worker woke 3,719 times
-  // in 500 ms (tests/engine), though a raw program saw net's descriptor reset and wake as
-  // tcp's does for single writes; the cause was not found. Opt-in: on
-  // tcp;ofi_rxm it costs every completion a signal and the provider's progress an epoll set
-  // (8-byte ping-pong 1.2 -> 1.4x raw libfabric's latency).
-  PONTE_RETURN_IF_ERROR(cq_.open(lib_, domain_.domain(), static_cast<size_t>(tx) + rx,
-                                 wake_on_data && info_.provider == "tcp;ofi_rxm"));
+  // fi_trywait resets it (NicInfo::cq_wait_resets: tcp;ofi_rxm on this host's libfabric 1.17, not
+  // net). On tcp;ofi_rxm it turns readable when data arrives. shm needs none (its writers copy
+  // into the target's memory themselves) and gives none. Opt-in: on tcp;ofi_rxm it costs every
+  // completion a signal and the provider's progress an epoll set (8-byte ping-pong 1.2 -> 1.4x
+  // raw libfabric's latency).
+  PONTE_RETURN_IF_ERROR(cq_.open(lib_, domain_.domain(), static_cast<size_t>(tx) + rx, cq_wait));
 
   // shm names an endpoint's shared-memory region after the process id and a per-process endpoint
   // index, and refuses (EBUSY at fi_enable) a name a dead process left behind: a process killed
@@ -409,9 +407,25 @@ int FabricNic::poll(Completion* out, int max) {
 }
 
 bool FabricNic::arm_wait() {
-  if (cq_.wait_fd() < 0 || cancelled_count_ > 0 || repost_count_ > 0) return false;
+  if (wait_fd() < 0 || cancelled_count_ > 0 || repost_count_ > 0) return false;
   struct fid* fids[1] = {&cq_.cq()->fid};
-  return fi_trywait(domain_.fabric(), fids, 1) == FI_SUCCESS;
+  if (fi_trywait(domain_.fabric(), fids, 1) != FI_SUCCESS) return false;
+  // A provider whose fi_trywait says yes without resetting the object (net in libfabric 1.17, tcp
+  // in 1.18) leaves it readable after its first completion: a sleep on it would end at once, every
+  // time. Readable right after a good arming is that, or data that arrived in between (then the
+  // blind sleep and the poll after it take it); kStaleArmsToDrop in a row drop the object for good.
+  pollfd pfd{cq_.wait_fd(), POLLIN, 0};
+  if (::poll(&pfd, 1, 0) == 0) {
+    stale_arms_ = 0;
+    return true;
+  }
+  if (++stale_arms_ >= kStaleArmsToDrop) {
+    wait_dropped_ = true;
+    PONTE_LOG_WARN("fabric: NIC %s (%s): its completion queue's wait object stayed readable after %u armings "
+                   "in a row (fi_trywait does not reset it): PONTE_IDLE_WAKE is off on this NIC",
+                   info_.name.c_str(), info_.provider.c_str(), stale_arms_);
+  }
+  return false;
 }
 
 }  // namespace ponte::fabric

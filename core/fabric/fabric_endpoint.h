@@ -37,10 +37,10 @@ bool refuses_one_operation(int err);
 class FabricNic final : public Nic {
  public:
   // info: the device's fi_info (copied; the backend may go away first). max_inflight caps the
-  // transmit contexts (the provider's tx queue size is the other cap). wake_on_data: give the CQ a
-  // wait object where it was checked to work (Config::idle_wake_on_data, Nic::wait_fd).
+  // transmit contexts (the provider's tx queue size is the other cap). cq_wait: give the CQ a wait
+  // object (Config::idle_wake_on_data where NicInfo::cq_wait_resets; Nic::wait_fd).
   static Result<std::unique_ptr<Nic>> open(const FabricLibrary& lib, const struct fi_info& info,
-                                           const NicInfo& nic_info, uint32_t max_inflight, bool wake_on_data);
+                                           const NicInfo& nic_info, uint32_t max_inflight, bool cq_wait);
   ~FabricNic() override;
 
   const NicInfo& info() const override { return info_; }
@@ -61,12 +61,12 @@ class FabricNic final : public Nic {
                    uint64_t ctx, bool inline_ok) override;  // never inlines: inline_ok unused
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override;
   int poll(Completion* out, int max) override;
-  int wait_fd() const override { return cq_.wait_fd(); }
+  int wait_fd() const override { return wait_dropped_ ? -1 : cq_.wait_fd(); }
   bool arm_wait() override;
 
  private:
   FabricNic(const FabricLibrary& lib, const NicInfo& nic_info) : lib_(lib), info_(nic_info) {}
-  Status init(const struct fi_info& info, uint32_t max_inflight, bool wake_on_data);
+  Status init(const struct fi_info& info, uint32_t max_inflight, bool cq_wait);
   Status create_endpoint(struct fi_info* fi);
   static constexpr int kShmNameTries = 16;  // endpoint indices tried past a dead process's regions
   Status post_failed(ssize_t rc, const char* what, OpContext* op);
@@ -105,6 +105,11 @@ class FabricNic final : public Nic {
   std::unique_ptr<OpContext*[]> cancelled_;
   uint32_t cancelled_count_ = 0;
   uint64_t warnings_ = 0;
+  // arm_wait: armings in a row after which the wait object was still readable, and whether it was
+  // dropped for that (wait_fd() is -1 from then on).
+  static constexpr uint32_t kStaleArmsToDrop = 8;
+  uint32_t stale_arms_ = 0;
+  bool wait_dropped_ = false;
 };
 
 }  // namespace ponte::fabric

@@ -107,6 +107,29 @@ class FabricPair : public testing::TestWithParam<const char*> {
     if (lsan_paused_) __lsan_enable();
   }
 
+  // Opens the pair again, on a backend configured with PONTE_IDLE_WAKE (and, with unchecked,
+  // Config::idle_wake_unchecked: a wait object even where fi_trywait is not known to reset it).
+  void reopen_with_idle_wake(bool unchecked) {
+    Config cfg;
+    cfg.fabric_provider = GetParam();
+    cfg.idle_wake_on_data = true;
+    cfg.idle_wake_unchecked = unchecked;
+    a_.reset();
+    b_.reset();
+    backend_.reset();
+    auto backend = open_fabric_backend(cfg);
+    ASSERT_TRUE(backend.ok()) << backend.status().message();
+    backend_ = std::move(*backend);
+    auto a = backend_->open_nic(0);
+    auto b = backend_->open_nic(0);
+    ASSERT_TRUE(a.ok() && b.ok());
+    a_ = std::move(*a);
+    b_ = std::move(*b);
+    auto ab = a_->add_peer(b_->address());
+    ASSERT_TRUE(ab.ok() && b_->add_peer(a_->address()).ok());
+    a_to_b_ = *ab;
+  }
+
   // Polls both NICs once, keeping every completion.
   void poll_both() {
     Completion c[64];
@@ -270,24 +293,10 @@ TEST_P(FabricPair, ImmediateAloneArrives) {
 TEST_P(FabricPair, AWaitObjectOnlyWhereAskedAndDataArrivingWakesIt) {
   EXPECT_EQ(a_->wait_fd(), -1) << "a wait object without PONTE_IDLE_WAKE";
   EXPECT_FALSE(a_->arm_wait());
-  Config cfg;
-  cfg.fabric_provider = GetParam();
-  cfg.idle_wake_on_data = true;
-  a_.reset();
-  b_.reset();
-  backend_.reset();
-  auto backend = open_fabric_backend(cfg);
-  ASSERT_TRUE(backend.ok()) << backend.status().message();
-  backend_ = std::move(*backend);
-  auto a = backend_->open_nic(0);
-  auto b = backend_->open_nic(0);
-  ASSERT_TRUE(a.ok() && b.ok());
-  a_ = std::move(*a);
-  b_ = std::move(*b);
-  auto ab = a_->add_peer(b_->address());
-  ASSERT_TRUE(ab.ok() && b_->add_peer(a_->address()).ok());
-  a_to_b_ = *ab;
+  ASSERT_NO_FATAL_FAILURE(reopen_with_idle_wake(false));
+  // Debian 12's libfabric 1.17: tcp;ofi_rxm's fi_trywait resets the object, net's does not.
   const bool checked_here = std::string(GetParam()) == "tcp;ofi_rxm";
+  EXPECT_EQ(b_->info().cq_wait_resets, checked_here);
   ASSERT_EQ(b_->wait_fd() >= 0, checked_here) << "wait object: " << b_->wait_fd();
   if (!checked_here) {
     EXPECT_FALSE(b_->arm_wait());
@@ -348,6 +357,57 @@ TEST_P(FabricPair, AWaitObjectOnlyWhereAskedAndDataArrivingWakesIt) {
     ASSERT_TRUE(wait([&] { return take_imm(b_done_, wr.imm, &remote); })) << "the immediate never arrived";
     EXPECT_EQ(memcmp(dst.at(0), src.at(0), src.bytes.size()), 0);
     EXPECT_EQ(wait_local(wr.ctx).error, Code::kOk);
+  }
+}
+
+// A wait object whose fi_trywait does not reset it (net in libfabric 1.17 returns success and
+// leaves the signal of its last completion set) would end every idle sleep at once: the NIC drops
+// it after a few armings that left it readable. One that resets (tcp;ofi_rxm) is never dropped.
+TEST_P(FabricPair, AWaitObjectArmingDoesNotResetIsDropped) {
+  ASSERT_NO_FATAL_FAILURE(reopen_with_idle_wake(/*unchecked=*/true));
+  const std::string provider = GetParam();
+  if (provider == "net" || provider == "tcp;ofi_rxm") {
+    ASSERT_GE(b_->wait_fd(), 0) << provider << " gives an FI_WAIT_FD object";
+  }
+  if (b_->wait_fd() < 0) {  // none given (udp;ofi_rxd: FI_GETWAIT fails): nothing to arm
+    EXPECT_FALSE(b_->arm_wait());
+    return;
+  }
+  Region src(a_.get(), 4096), dst(b_.get(), 4096);
+  fill(src.bytes, 0, src.bytes.size(), 9);
+  // Five writes with data, each reaped at the target, each followed by twelve armings (more than
+  // FabricNic's eight in a row that drop an object), a poll of both NICs between armings.
+  int dropped_at = -1, armed = 0, refused = 0;
+  for (uint32_t round = 0; round < 5 && dropped_at < 0; ++round) {
+    WriteWr wr;
+    wr.peer = a_to_b_;
+    wr.local = src.at(0);
+    wr.len = src.bytes.size();
+    wr.desc = src.mr.desc;
+    wr.remote_addr = dst.remote(0);
+    wr.rkey = dst.mr.rkey;
+    wr.has_imm = true;
+    wr.imm = 0x5200u + round;
+    wr.ctx = 9100 + round;
+    ASSERT_TRUE(post_retrying([&] { return a_->post_write(wr); }).ok());
+    Completion remote;
+    ASSERT_TRUE(wait([&] { return take_imm(b_done_, wr.imm, &remote); })) << "round " << round;
+    EXPECT_EQ(wait_local(wr.ctx).error, Code::kOk);
+    for (int i = 0; i < 12; ++i) {
+      ASSERT_NO_FATAL_FAILURE(poll_both());
+      if (b_->arm_wait()) ++armed; else ++refused;
+      if (b_->wait_fd() < 0) {
+        dropped_at = static_cast<int>(round);
+        break;
+      }
+    }
+  }
+  if (provider == "net") {
+    EXPECT_EQ(dropped_at, 0) << "net 1.17: fi_trywait leaves the object readable; it must be dropped";
+    EXPECT_FALSE(b_->arm_wait()) << "a dropped object is never armed again";
+  } else if (provider == "tcp;ofi_rxm") {
+    EXPECT_EQ(dropped_at, -1) << "tcp;ofi_rxm resets its object: dropped in round " << dropped_at;
+    EXPECT_GT(armed, 30) << "armed " << armed << " times, refused " << refused;
   }
 }
 
