@@ -67,6 +67,21 @@ struct Region {
   uint8_t* at(size_t offset) { return bytes.data() + offset; }
 };
 
+// A write of all of src into dst (from its start) with an immediate.
+WriteWr whole_write_with_imm(NicPeer peer, Region& src, const Region& dst, uint32_t imm, uint64_t ctx) {
+  WriteWr wr;
+  wr.peer = peer;
+  wr.local = src.at(0);
+  wr.len = src.bytes.size();
+  wr.desc = src.mr.desc;
+  wr.remote_addr = dst.remote(0);
+  wr.rkey = dst.mr.rkey;
+  wr.has_imm = true;
+  wr.imm = imm;
+  wr.ctx = ctx;
+  return wr;
+}
+
 class FabricPair : public testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -327,16 +342,7 @@ TEST_P(FabricPair, AWaitObjectOnlyWhereAskedAndDataArrivingWakesIt) {
     ASSERT_TRUE(armed) << "arm_wait() never said the CQ may wait";
     pollfd pfd{b_->wait_fd(), POLLIN, 0};
     ASSERT_EQ(poll(&pfd, 1, 0), 0) << "readable right after arming, with nothing sent";
-    WriteWr wr;
-    wr.peer = a_to_b_;
-    wr.local = src.at(0);
-    wr.len = src.bytes.size();
-    wr.desc = src.mr.desc;
-    wr.remote_addr = dst.remote(0);
-    wr.rkey = dst.mr.rkey;
-    wr.has_imm = true;
-    wr.imm = 0x5100u + round;
-    wr.ctx = 9000 + round;
+    const WriteWr wr = whole_write_with_imm(a_to_b_, src, dst, 0x5100u + round, 9000 + round);
     Status st;
     const auto post_deadline = Clock::now() + kDeadline;
     while ((st = a_->post_write(wr)).code() == Code::kAgain && Clock::now() < post_deadline) {
@@ -379,16 +385,7 @@ TEST_P(FabricPair, AWaitObjectArmingDoesNotResetIsDropped) {
   // FabricNic's eight in a row that drop an object), a poll of both NICs between armings.
   int dropped_at = -1, armed = 0, refused = 0;
   for (uint32_t round = 0; round < 5 && dropped_at < 0; ++round) {
-    WriteWr wr;
-    wr.peer = a_to_b_;
-    wr.local = src.at(0);
-    wr.len = src.bytes.size();
-    wr.desc = src.mr.desc;
-    wr.remote_addr = dst.remote(0);
-    wr.rkey = dst.mr.rkey;
-    wr.has_imm = true;
-    wr.imm = 0x5200u + round;
-    wr.ctx = 9100 + round;
+    const WriteWr wr = whole_write_with_imm(a_to_b_, src, dst, 0x5200u + round, 9100 + round);
     ASSERT_TRUE(post_retrying([&] { return a_->post_write(wr); }).ok());
     Completion remote;
     ASSERT_TRUE(wait([&] { return take_imm(b_done_, wr.imm, &remote); })) << "round " << round;
