@@ -37,7 +37,7 @@ struct Config {
   uint32_t idle_sleep_us = 1000;                 // PONTE_IDLE_SLEEP_US: idle worker's longest sleep (>= 50)
   bool idle_wake_on_data = false;                // PONTE_IDLE_WAKE: idle worker also wakes for arriving data
   bool idle_wake_unchecked = false;  // tests only (no variable): with idle_wake_on_data, a wait object even
-                                     // where NicInfo::cq_wait_resets is false (the NIC drops one that fails)
+                                     // where NicInfo::cq_wait_resets is false (to check that rule)
   uint32_t poller_hold_us = 2000;                // PONTE_POLLER_HOLD_US: a poller keeps the data path this long
   uint32_t queue_depth = 8192;                   // PONTE_QUEUE_DEPTH: submission ring entries
   uint32_t max_inflight = 16384;                 // PONTE_MAX_INFLIGHT: ops in flight per group

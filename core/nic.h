@@ -145,8 +145,7 @@ class Nic {
   // A file descriptor that turns readable when traffic arrives for this NIC while nobody polls it
   // (the provider's wait object), or -1 (none; or none needed: the hardware moves the data).
   // A manual-progress provider (tcp;ofi_rxm) moves incoming data only inside a poll, so an idle
-  // worker sleeps on it instead of sleeping blind. It may turn -1 for good after an arm_wait()
-  // (an object the provider does not reset is dropped), never the other way.
+  // worker sleeps on it instead of sleeping blind.
   virtual int wait_fd() const { return -1; }
   // Before sleeping on wait_fd(): whether the sleep may start now (fi_trywait: nothing is pending
   // that a poll would find, and the wait object is reset). False: poll first. Never blocks.

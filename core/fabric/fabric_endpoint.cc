@@ -1,7 +1,6 @@
 // The libfabric Nic: endpoint setup, peers, registration, posts and completion polling.
 #include "core/fabric/fabric_endpoint.h"
 
-#include <poll.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
@@ -407,25 +406,9 @@ int FabricNic::poll(Completion* out, int max) {
 }
 
 bool FabricNic::arm_wait() {
-  if (wait_fd() < 0 || cancelled_count_ > 0 || repost_count_ > 0) return false;
+  if (cq_.wait_fd() < 0 || cancelled_count_ > 0 || repost_count_ > 0) return false;
   struct fid* fids[1] = {&cq_.cq()->fid};
-  if (fi_trywait(domain_.fabric(), fids, 1) != FI_SUCCESS) return false;
-  // A provider whose fi_trywait says yes without resetting the object (net in libfabric 1.17, tcp
-  // in 1.18) leaves it readable after its first completion: a sleep on it would end at once, every
-  // time. Readable right after a good arming is that, or data that arrived in between (then the
-  // blind sleep and the poll after it take it); kStaleArmsToDrop in a row drop the object for good.
-  pollfd pfd{cq_.wait_fd(), POLLIN, 0};
-  if (::poll(&pfd, 1, 0) == 0) {
-    stale_arms_ = 0;
-    return true;
-  }
-  if (++stale_arms_ >= kStaleArmsToDrop) {
-    wait_dropped_ = true;
-    PONTE_LOG_WARN("fabric: NIC %s (%s): its completion queue's wait object stayed readable after %u armings "
-                   "in a row (fi_trywait does not reset it): PONTE_IDLE_WAKE is off on this NIC",
-                   info_.name.c_str(), info_.provider.c_str(), stale_arms_);
-  }
-  return false;
+  return fi_trywait(domain_.fabric(), fids, 1) == FI_SUCCESS;
 }
 
 }  // namespace ponte::fabric

@@ -61,7 +61,7 @@ class FabricNic final : public Nic {
                    uint64_t ctx, bool inline_ok) override;  // never inlines: inline_ok unused
   Status post_recv(void* buf, size_t len, void* desc, uint64_t ctx) override;
   int poll(Completion* out, int max) override;
-  int wait_fd() const override { return wait_dropped_ ? -1 : cq_.wait_fd(); }
+  int wait_fd() const override { return cq_.wait_fd(); }
   bool arm_wait() override;
 
  private:
@@ -105,11 +105,6 @@ class FabricNic final : public Nic {
   std::unique_ptr<OpContext*[]> cancelled_;
   uint32_t cancelled_count_ = 0;
   uint64_t warnings_ = 0;
-  // arm_wait: armings in a row after which the wait object was still readable, and whether it was
-  // dropped for that (wait_fd() is -1 from then on).
-  static constexpr uint32_t kStaleArmsToDrop = 8;
-  uint32_t stale_arms_ = 0;
-  bool wait_dropped_ = false;
 };
 
 }  // namespace ponte::fabric
