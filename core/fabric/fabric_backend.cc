@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "core/fabric/fabric_endpoint.h"
+#include "core/log.h"
 
 namespace ponte {
 namespace fabric {
@@ -127,6 +128,11 @@ Result<std::unique_ptr<Nic>> FabricBackend::open_nic(size_t device_index) {
   }
   const NicInfo& nic = devices_[device_index];
   const bool cq_wait = wake_on_data_ && (nic.cq_wait_resets || wake_unchecked_);
+  if (wake_on_data_ && !cq_wait) {
+    PONTE_LOG_INFO("fabric: NIC %s: PONTE_IDLE_WAKE is not used on provider %s with libfabric %u.%u: its "
+                   "fi_trywait is not known to reset a completion queue's wait object (README)",
+                   nic.name.c_str(), nic.provider.c_str(), FI_MAJOR(lib_.version), FI_MINOR(lib_.version));
+  }
   return FabricNic::open(lib_, *infos_[device_index], nic, max_inflight_, cq_wait);
 }
 
