@@ -377,7 +377,7 @@ TEST_P(FabricPair, AWaitObjectIsUsedOnlyWhereArmingResetsIt) {
   if (provider == "net" || provider == "tcp;ofi_rxm") {
     ASSERT_GE(b_->wait_fd(), 0) << provider << " gives an FI_WAIT_FD object";
   }
-  if (b_->wait_fd() < 0) {  // none given (udp;ofi_rxd: FI_GETWAIT fails): nothing to arm, none used
+  if (b_->wait_fd() < 0) {  // none given (shm and udp;ofi_rxd here): nothing to arm, none used
     EXPECT_FALSE(b_->arm_wait());
     EXPECT_FALSE(b_->info().cq_wait_resets);
     return;
