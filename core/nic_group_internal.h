@@ -43,7 +43,8 @@ inline constexpr uint32_t kPollerBackoffUs = 50;
 // one idle engine (device 0's, from the probe) beside the one it uses. Submissions and control
 // messages still wake it at once; what waits is only incoming data nobody waits for, up to that
 // sleep, after 10 ms of silence. With PONTE_IDLE_WAKE, sleeps longer than kIdlePollUs end when
-// such data arrives too, where the NICs give a wait object (Nic::wait_fd: tcp;ofi_rxm only).
+// such data arrives too, where the NICs give a wait object (Nic::wait_fd; NicInfo::cq_wait_resets
+// says where: tcp;ofi_rxm on this host's libfabric 1.17).
 inline constexpr uint32_t kIdlePollUs = 50;
 inline constexpr uint32_t kDeepIdleAfterUs = 10000;
 // How long a spinning worker with nothing to do keeps its core before it starts yielding it.

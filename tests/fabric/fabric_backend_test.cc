@@ -302,9 +302,9 @@ TEST_P(FabricPair, ImmediateAloneArrives) {
 }
 
 // PONTE_IDLE_WAKE (Config::idle_wake_on_data): a NIC's completion queue has a wait object only when
-// asked, and only where it was checked to work (tcp;ofi_rxm). There, once arm_wait() said the CQ may
-// wait, a write from the peer makes the descriptor readable while nobody polls the target: what
-// the idle worker sleeps on (NicGroup::sleep_idle).
+// asked, and only where fi_trywait resets it (NicInfo::cq_wait_resets: tcp;ofi_rxm here). There,
+// once arm_wait() said the CQ may wait, a write from the peer makes the descriptor readable while
+// nobody polls the target: what the idle worker sleeps on (NicGroup::sleep_idle).
 TEST_P(FabricPair, AWaitObjectOnlyWhereAskedAndDataArrivingWakesIt) {
   EXPECT_EQ(a_->wait_fd(), -1) << "a wait object without PONTE_IDLE_WAKE";
   EXPECT_FALSE(a_->arm_wait());
