@@ -10,7 +10,9 @@ worker). Both streams write slot k % window of the same-sized buffers, so both w
 A third row (``--batch B``, default 4; 0 leaves it out) writes the same stream from Python with
 ``paged_write``, B writes per call and window / B calls in flight.
 Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
-(the machine is shared). Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
+(the machine is shared), and a second line gives each round's own ratio (python and C++ runs side by
+side) with their median and range, which show how far the rounds disagree.
+Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
 sending process per write over the timed loop: Python's counts every thread (its waits included);
 ponte-bench's (``proc_ns_per_op``) every thread but its main one, plus that thread's submit calls.
 
@@ -177,7 +179,19 @@ def cpp_stream(bench, provider, size, window, iters):
 
 
 def best(rows):
+    rows = [r for r in rows if r]
     return max(rows, key=lambda r: r["GBps"]) if rows else None
+
+
+def per_round(ratios):
+    """Each alternating round's own ratio, then their median and spread: on a shared 2-core host one
+    round's pair can land in different speeds, so best-of-each alone hides how far rounds disagree."""
+    rs = sorted(r for r in ratios if r is not None)
+    if not rs:
+        return "no round completed both"
+    med = rs[len(rs) // 2] if len(rs) % 2 else (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2
+    each = " ".join("%.3f" % r if r is not None else "-" for r in ratios)
+    return "per round %s; median %.3f, range %.3f-%.3f" % (each, med, rs[0], rs[-1])
 
 
 def main():
@@ -230,6 +244,7 @@ def main():
                         runs[who].append(cpp_stream(bench, provider, size, a.window, a.iters))
                 except Exception as e:
                     print("py_overhead: %s on %s: %s" % (who, provider, e))
+                    runs[who].append(None)  # keeps the rounds aligned for the per-round ratios
                     failed = True
         c = best(runs["ponte-bench"])
         for who in whos:
@@ -243,6 +258,8 @@ def main():
                 print("%-14s ratio %s/c++ = %.3f%s" % (provider, who, p["GBps"] / c["GBps"],
                                                       " (target >= 0.9 at window 16)" if who == "python" else
                                                       " (paged_write, %d writes a call)" % a.batch))
+                rounds = [q["GBps"] / k["GBps"] if q and k else None for q, k in zip(runs[who], runs["ponte-bench"])]
+                print("%-14s   %s/c++ %s" % (provider, who, per_round(rounds)))
     if a.ep == "auto":
         shape = dict(tokens=a.ep_tokens, hidden=a.ep_hidden, topk=a.ep_topk, experts=a.ep_experts, dtype=a.ep_dtype,
                      iters=a.ep_iters, warmup=5)
@@ -375,8 +392,9 @@ def ep_overhead(build, providers, repeat, world, shape):
                     runs[who].append(cpp_ep(ep_bench, cfg, world) if who == "c++" else python_ep(cfg, world, build))
                 except Exception as e:
                     print("py_overhead: %s dispatch+combine on %s: %s" % (who, provider, e))
+                    runs[who].append(None)  # keeps the rounds aligned for the per-round ratios
                     ok = False
-        best = {k: min(v, key=lambda r: r["d"] + r["c"]) for k, v in runs.items() if v}
+        best = {k: min((r for r in v if r), key=lambda r: r["d"] + r["c"]) for k, v in runs.items() if any(v)}
         for who in ("c++", "python"):
             if who in best:
                 r = best[who]
@@ -386,6 +404,9 @@ def ep_overhead(build, providers, repeat, world, shape):
         if len(best) == 2:
             print("%-14s ratio c++/python time = %.3f (target >= 0.9)" % (
                 provider, (best["c++"]["d"] + best["c++"]["c"]) / (best["python"]["d"] + best["python"]["c"])))
+            rounds = [(k["d"] + k["c"]) / (q["d"] + q["c"]) if q and k else None
+                      for q, k in zip(runs["python"], runs["c++"])]
+            print("%-14s   c++/python %s" % (provider, per_round(rounds)))
     return ok
 
 
