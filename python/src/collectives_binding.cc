@@ -136,49 +136,68 @@ EpRows rows_of(HostMemory& m, py::handle obj, const char* name, const EpState& s
   return EpRows{m.data(), rows, static_cast<size_t>(s.cfg.hidden), s.cfg.dtype};
 }
 
-// topk_idx [T, K]: int64 (or int32) -> int64.
-std::vector<int64_t> topk_idx_of(py::handle obj, size_t tokens, int topk) {
-  HostMemory m;
-  m.acquire(obj, "topk_idx", false, true);
-  const auto& sh = m.shape();
+// A per-token table the caller passes (topk_idx, topk_weights) as the element type the call takes:
+// the caller's own memory when it already is that type (held by `mem` for the call, no copy), else
+// a converted copy.
+template <typename T>
+struct Table {
+  HostMemory mem;
+  std::vector<T> converted;
+  std::span<const T> view;
+};
+
+// name [T, K] of the call's element type T (numpy dtype `own`), or of Other (dtype `other`),
+// converted; `expected` names what the call takes in the TypeError.
+template <typename T, typename Other>
+void table_of(Table<T>& t, py::handle obj, const char* name, size_t tokens, int topk, const char* own,
+              const char* other, const char* expected) {
+  HostMemory& m = t.mem;
+  m.acquire(obj, name, false, true);
+  const auto sh = m.shape();
   if (sh.size() != 2 || sh[0] != tokens || sh[1] != static_cast<size_t>(topk))
-    raise_value("topk_idx: shape must be [tokens=%zu, topk=%d]", tokens, topk);
-  std::vector<int64_t> out(tokens * static_cast<size_t>(topk));
-  if (m.dtype() == "int64") {
-    memcpy(out.data(), m.data(), out.size() * 8);
-  } else if (m.dtype() == "int32") {
-    auto* p = static_cast<const int32_t*>(m.data());
-    for (size_t i = 0; i < out.size(); i++) out[i] = p[i];
-  } else {
-    raise_type("topk_idx: dtype %s; int64 (or int32) expert indexes expected", m.dtype().c_str());
+    raise_value("%s: shape must be [tokens=%zu, topk=%d]", name, tokens, topk);
+  const size_t n = tokens * static_cast<size_t>(topk);
+  const bool is_own = m.dtype() == own;
+  if (!is_own && m.dtype() != other) raise_type("%s: dtype %s; %s expected", name, m.dtype().c_str(), expected);
+  if (is_own && reinterpret_cast<uintptr_t>(m.data()) % alignof(T) == 0) {
+    t.view = std::span<const T>(static_cast<const T*>(m.data()), n);
+    return;
   }
-  return out;
+  // Another type, or the call's own at an odd offset of a byte buffer: element by element.
+  const char* p = static_cast<const char*>(m.data());
+  t.converted.resize(n);
+  for (size_t i = 0; i < n; i++) {
+    if (is_own) {
+      memcpy(&t.converted[i], p + i * sizeof(T), sizeof(T));
+    } else {
+      Other v;
+      memcpy(&v, p + i * sizeof v, sizeof v);
+      t.converted[i] = static_cast<T>(v);
+    }
+  }
+  t.view = t.converted;
 }
 
-// topk_weights [T, K]: float32 (or float64) -> float32.
-std::vector<float> topk_weights_of(py::handle obj, size_t tokens, int topk) {
-  HostMemory m;
-  m.acquire(obj, "topk_weights", false, true);
-  const auto& sh = m.shape();
-  if (sh.size() != 2 || sh[0] != tokens || sh[1] != static_cast<size_t>(topk))
-    raise_value("topk_weights: shape must be [tokens=%zu, topk=%d]", tokens, topk);
-  std::vector<float> out(tokens * static_cast<size_t>(topk));
-  if (m.dtype() == "float32") {
-    memcpy(out.data(), m.data(), out.size() * 4);
-  } else if (m.dtype() == "float64") {
-    auto* p = static_cast<const double*>(m.data());
-    for (size_t i = 0; i < out.size(); i++) out[i] = static_cast<float>(p[i]);
-  } else {
-    raise_type("topk_weights: dtype %s; float32 weights expected", m.dtype().c_str());
-  }
-  return out;
+void topk_idx_of(Table<int64_t>& t, py::handle obj, size_t tokens, int topk) {
+  table_of<int64_t, int32_t>(t, obj, "topk_idx", tokens, topk, "int64", "int32", "int64 (or int32) expert indexes");
 }
+void topk_weights_of(Table<float>& t, py::handle obj, size_t tokens, int topk) {
+  table_of<float, double>(t, obj, "topk_weights", tokens, topk, "float32", "float64", "float32 weights");
+}
+
+// ponte.EpHandle's pybind11 type, looked up once (bind_collectives): a handle is checked on every
+// call that takes one, without a lookup by type name each time.
+const py::detail::type_info* g_handle_tinfo = nullptr;
 
 HandleState& handle_of(py::handle obj, const EpState& s) {
-  if (!py::isinstance<HandleState>(obj)) raise_type("handle must be a ponte.EpHandle, not %s", Py_TYPE(obj.ptr())->tp_name);
-  auto& h = obj.cast<HandleState&>();
-  if (h.ep.get() != &s) raise_value("handle: it belongs to another EpBuffer");
-  return h;
+  HandleState* h = nullptr;
+  if (g_handle_tinfo && PyObject_TypeCheck(obj.ptr(), g_handle_tinfo->type)) {
+    auto vh = reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(g_handle_tinfo, false);
+    if (vh.inst && vh.vh && vh.holder_constructed()) h = vh.value_ptr<HandleState>();
+  }
+  if (!h) raise_type("handle must be a ponte.EpHandle, not %s", Py_TYPE(obj.ptr())->tp_name);
+  if (h->ep.get() != &s) raise_value("handle: it belongs to another EpBuffer");
+  return *h;
 }
 
 // recv_x [L, W * max_tokens, H] and recv_count [L] for a dispatch.
@@ -361,6 +380,7 @@ void bind_collectives(py::module_& m) {
          "expert's block of recv_x.")
       .def("valid", [](const HandleState& h) { return h.ep->ep && h.h.valid(); },
            "Whether the handle is live (dispatched, not yet combined).");
+  g_handle_tinfo = py::detail::get_type_info(typeid(HandleState));
 
   py::class_<EpState, EpPtr>(
       m, "EpBuffer",
@@ -410,13 +430,15 @@ void bind_collectives(py::module_& m) {
         EpBuffer& ep = s->live("dispatch_send");
         HostMemory xm;
         EpRows rows = rows_of(xm, x, "x", *s, false);
-        std::vector<int64_t> idx = topk_idx_of(topk_idx, rows.rows, s->cfg.topk);
+        Table<int64_t> idx;
+        topk_idx_of(idx, topk_idx, rows.rows, s->cfg.topk);
         Busy busy(*s->comm, "dispatch_send");
-        Result<EpHandle> h = Status(Code::kInternal, "not sent");
+        std::optional<Result<EpHandle>> sent;  // no placeholder Status formatted per call
         {
           py::gil_scoped_release nogil;
-          h = ep.dispatch_send(rows, idx);
+          sent.emplace(ep.dispatch_send(rows, idx.view));
         }
+        Result<EpHandle>& h = *sent;
         if (!h.ok()) raise_refusal(h.status(), "dispatch_send");
         auto hs = std::make_unique<HandleState>();
         hs->ep = s;
@@ -450,17 +472,19 @@ void bind_collectives(py::module_& m) {
         EpBuffer& ep = s->live("dispatch");
         HostMemory xm;
         EpRows rows = rows_of(xm, x, "x", *s, false);
-        std::vector<int64_t> idx = topk_idx_of(topk_idx, rows.rows, s->cfg.topk);
+        Table<int64_t> idx;
+        topk_idx_of(idx, topk_idx, rows.rows, s->cfg.topk);
         RecvOut out;
         alloc_recv(out, *s, xm.is_torch(), recv_x, recv_count);
         EpRows rrows = recv_rows(out, *s);
         std::span<int32_t> cnt(static_cast<int32_t*>(out.cm.data()), static_cast<size_t>(s->L));
         Busy busy(*s->comm, "dispatch");
-        Result<EpHandle> h = Status(Code::kInternal, "not sent");
+        std::optional<Result<EpHandle>> sent;  // no placeholder Status formatted per call
         {
           py::gil_scoped_release nogil;
-          h = ep.dispatch(rows, idx, rrows, cnt);
+          sent.emplace(ep.dispatch(rows, idx.view, rrows, cnt));
         }
+        Result<EpHandle>& h = *sent;
         if (!h.ok()) raise_refusal(h.status(), "dispatch");
         auto hs = std::make_unique<HandleState>();
         hs->ep = s;
@@ -488,7 +512,8 @@ void bind_collectives(py::module_& m) {
       .def("combine_recv", [](const EpPtr& s, py::handle handle, py::handle topk_weights, py::handle out, bool accumulate) {
         EpBuffer& ep = s->live("combine_recv");
         HandleState& h = handle_of(handle, *s);
-        std::vector<float> w = topk_weights_of(topk_weights, static_cast<size_t>(h.tokens), s->cfg.topk);
+        Table<float> w;
+        topk_weights_of(w, topk_weights, static_cast<size_t>(h.tokens), s->cfg.topk);
         HostMemory om;
         EpRows orows;
         py::object o = out_for(out, om, &orows, *s, h, accumulate);
@@ -496,7 +521,7 @@ void bind_collectives(py::module_& m) {
         Status st;
         {
           py::gil_scoped_release nogil;
-          st = ep.combine_recv(h.h, w, orows, accumulate);
+          st = ep.combine_recv(h.h, w.view, orows, accumulate);
         }
         check(st, "combine_recv");
         return o;
@@ -509,14 +534,15 @@ void bind_collectives(py::module_& m) {
         HandleState& h = handle_of(handle, *s);
         HostMemory ym, om;
         EpRows yrows = rows_of(ym, y, "y", *s, false);
-        std::vector<float> w = topk_weights_of(topk_weights, static_cast<size_t>(h.tokens), s->cfg.topk);
+        Table<float> w;
+        topk_weights_of(w, topk_weights, static_cast<size_t>(h.tokens), s->cfg.topk);
         EpRows orows;
         py::object o = out_for(out, om, &orows, *s, h, accumulate);
         Busy busy(*s->comm, "combine");
         Status st;
         {
           py::gil_scoped_release nogil;
-          st = ep.combine(h.h, yrows, w, orows, accumulate);
+          st = ep.combine(h.h, yrows, w.view, orows, accumulate);
         }
         check(st, "combine");
         return o;

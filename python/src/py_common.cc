@@ -145,7 +145,15 @@ ByteView arg_bytes(pyb::handle obj, const char* name, Py_buffer* hold) {
 // ---- caller memory
 
 bool is_torch_tensor(pyb::handle obj) {
-  PyObject* torch = PyImport_GetModule(pyb::str("torch").ptr());  // new ref or NULL; never imports
+  // A torch.Tensor does not export the buffer protocol: numpy arrays and bytearrays, the common
+  // case of a hot loop, are answered here without looking torch up.
+  if (PyObject_CheckBuffer(obj.ptr())) return false;
+  static PyObject* const name = PyUnicode_InternFromString("torch");  // kept for the process's life
+  if (!name) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* torch = PyImport_GetModule(name);  // new ref or NULL; never imports
   if (!torch) {
     PyErr_Clear();
     return false;
@@ -194,8 +202,9 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
     data_ = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
     dtype_ = pyb::str(obj.attr("dtype"));
     if (dtype_.rfind("torch.", 0) == 0) dtype_ = dtype_.substr(6);
-    shape_.clear();
-    for (auto d : obj.attr("shape")) shape_.push_back(d.cast<size_t>());
+    ndim_ = 0;
+    more_.clear();
+    for (auto d : obj.attr("shape")) push_dim(d.cast<size_t>());
     torch_ = true;
     obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
     return;
@@ -219,14 +228,25 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
   size_ = static_cast<size_t>(view_.len);
   itemsize_ = static_cast<size_t>(view_.itemsize > 0 ? view_.itemsize : 1);
   dtype_ = format_dtype(view_.format, itemsize_);
-  shape_.clear();
+  ndim_ = 0;
+  more_.clear();
   if (view_.ndim == 0) {
-    shape_.push_back(size_ / itemsize_);
+    push_dim(size_ / itemsize_);
   } else {
-    for (int i = 0; i < view_.ndim; i++) shape_.push_back(static_cast<size_t>(view_.shape ? view_.shape[i] : size_ / itemsize_));
+    for (int i = 0; i < view_.ndim; i++) push_dim(static_cast<size_t>(view_.shape ? view_.shape[i] : size_ / itemsize_));
   }
   torch_ = false;
   obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
+}
+
+void HostMemory::push_dim(size_t d) {
+  if (ndim_ < dims_.size()) {
+    dims_[ndim_++] = d;
+    return;
+  }
+  if (ndim_ == dims_.size()) more_.assign(dims_.begin(), dims_.end());
+  more_.push_back(d);
+  ndim_++;
 }
 
 void HostMemory::release() {

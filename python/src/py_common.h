@@ -4,11 +4,15 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -62,7 +66,9 @@ class HostMemory {
   const std::string& dtype() const { return dtype_; }
   size_t itemsize() const { return itemsize_; }
   // Shape in elements.
-  const std::vector<size_t>& shape() const { return shape_; }
+  std::span<const size_t> shape() const {
+    return ndim_ <= dims_.size() ? std::span<const size_t>(dims_.data(), ndim_) : std::span<const size_t>(more_);
+  }
 
  private:
   pyb::object obj_;
@@ -73,7 +79,12 @@ class HostMemory {
   size_t size_ = 0;
   size_t itemsize_ = 1;
   std::string dtype_;
-  std::vector<size_t> shape_;
+  // The shape: inline up to 8 dimensions (no allocation per call for the arrays of a hot loop),
+  // in more_ beyond.
+  std::array<size_t, 8> dims_{};
+  std::vector<size_t> more_;
+  size_t ndim_ = 0;
+  void push_dim(size_t d);
 };
 
 // Whether obj is a torch.Tensor (without importing torch: only when torch is already loaded).

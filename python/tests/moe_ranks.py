@@ -40,6 +40,15 @@ def inputs(rank, it, cfg):
     return x, idx, w
 
 
+def unaligned(a):
+    """The same values in a C-contiguous view at an odd byte offset (not aligned for its dtype)."""
+    if a.size == 0:
+        return a
+    buf = np.zeros(a.nbytes + 1, dtype=np.uint8)
+    buf[1:] = np.ascontiguousarray(a).view(np.uint8).ravel()
+    return np.frombuffer(buf, dtype=a.dtype, offset=1).reshape(a.shape)
+
+
 def expert_fn(rows, e, dtype):
     """What expert e computes on its rows (float32 or bf16 bits in and out)."""
     if dtype == "bfloat16":
@@ -115,6 +124,10 @@ def scenario_moe(ponte, comm, me, W, cfg):
         return "EpBuffer geometry"
     for it in range(4):
         x, idx, w = inputs(me, it, cfg)
+        if it == 1:  # the other accepted types, which the binding converts
+            idx, w = idx.astype(np.int32), w.astype(np.float64)
+        elif it == 3:  # the caller's memory at an odd byte offset, which the binding copies
+            idx, w = unaligned(idx), unaligned(w)
         if it < 2:
             recv_x, recv_count, h = ep.dispatch(x, idx)
         else:  # into the previous step's arrays

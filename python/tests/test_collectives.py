@@ -78,6 +78,16 @@ def test_communicator_arguments():
         np.testing.assert_allclose(out, x * np.array([2, 1, 0, 2], np.float32)[:, None])
         with pytest.raises(ValueError, match="src_info"):
             h.src_info  # released by combine
+        # Rows of more dimensions than the binding keeps inline (8): the same rows, the same result.
+        x10 = x.reshape((1,) * 8 + (4, 8))
+        recv_x, recv_count, h = ep.dispatch(x10, idx)
+        assert recv_count.tolist() == [3, 2]
+        out = ep.combine(recv_x, np.ones((4, 2), np.float32), h)
+        np.testing.assert_allclose(out, x * np.array([2, 1, 0, 2], np.float32)[:, None])
+        with pytest.raises(ValueError, match="hidden=8"):
+            ep.dispatch(x.reshape((1,) * 9 + (32,)), idx)  # its last dimension is not hidden
+        with pytest.raises(ValueError, match="topk_idx: shape"):  # all ten dimensions are seen, not the last two
+            ep.dispatch(x, idx.reshape((1,) * 8 + (4, 2)))
     assert comm.closed
     with pytest.raises(ponte.Error) as e:
         comm.barrier()
