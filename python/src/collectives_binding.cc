@@ -122,7 +122,7 @@ py::object as_family(py::object np_array, bool torch) {
 // Rows of x, y, recv_x or out: a C-contiguous array of the buffer's dtype whose last dimension is
 // hidden (2-D [rows, hidden], or more dimensions taken as rows of hidden elements).
 EpRows rows_of(HostMemory& m, py::handle obj, const char* name, const EpState& s, bool writable) {
-  m.acquire(obj, name, writable, /*c_order=*/true);
+  m.acquire_for_call(obj, name, writable, /*c_order=*/true);
   const bool bf16 = s.cfg.dtype == DType::kBFloat16;
   const std::string& dt = m.dtype();
   bool ok = bf16 ? (dt == "bfloat16" || (dt == "uint16" && !m.is_torch())) : dt == "float32";
@@ -152,7 +152,7 @@ template <typename T, typename Other>
 void table_of(Table<T>& t, py::handle obj, const char* name, size_t tokens, int topk, const char* own,
               const char* other, const char* expected) {
   HostMemory& m = t.mem;
-  m.acquire(obj, name, false, true);
+  m.acquire_for_call(obj, name, false, true);
   const auto sh = m.shape();
   if (sh.size() != 2 || sh[0] != tokens || sh[1] != static_cast<size_t>(topk))
     raise_value("%s: shape must be [tokens=%zu, topk=%d]", name, tokens, topk);
@@ -215,7 +215,7 @@ void alloc_recv(RecvOut& r, const EpState& s, bool torch, py::handle recv_x, py:
   EpRows rows = rows_of(r.xm, r.x, "recv_x", s, true);
   if (rows.rows != static_cast<size_t>(s.L) * s.rows_per_expert)
     raise_value("recv_x: %zu rows; it must be [L=%d, W * max_tokens=%zu, hidden]", rows.rows, s.L, s.rows_per_expert);
-  r.cm.acquire(r.count, "recv_count", true, true);
+  r.cm.acquire_for_call(r.count, "recv_count", true, true);
   if (r.cm.dtype() != "int32" || r.cm.size() != static_cast<size_t>(s.L) * 4)
     raise_value("recv_count: must be int32 [L=%d]", s.L);
 }

@@ -1,6 +1,8 @@
 // Shared pieces of the `ponte` Python module (see py_common.h).
 #include "python/src/py_common.h"
 
+#include <pybind11/numpy.h>
+
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -11,6 +13,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <string>
 
@@ -235,6 +238,61 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
   } else {
     for (int i = 0; i < view_.ndim; i++) push_dim(static_cast<size_t>(view_.shape ? view_.shape[i] : size_ / itemsize_));
   }
+  torch_ = false;
+  obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
+}
+
+// numpy's type numbers (stable across numpy versions) of the dtypes the binding names, with their
+// names as format_dtype gives them and their sizes; nullptr: not one of them.
+static const char* numpy_dtype(int type_num, size_t* itemsize) {
+  static_assert(sizeof(long) == 8, "NPY_LONG is taken as 64-bit");
+  switch (type_num) {
+    case 0: *itemsize = 1; return "bool";
+    case 1: *itemsize = 1; return "int8";
+    case 2: *itemsize = 1; return "uint8";
+    case 3: *itemsize = 2; return "int16";
+    case 4: *itemsize = 2; return "uint16";
+    case 5: *itemsize = 4; return "int32";
+    case 6: *itemsize = 4; return "uint32";
+    case 7: case 9: *itemsize = 8; return "int64";    // NPY_LONG, NPY_LONGLONG
+    case 8: case 10: *itemsize = 8; return "uint64";  // NPY_ULONG, NPY_ULONGLONG
+    case 11: *itemsize = 4; return "float32";
+    case 12: *itemsize = 8; return "float64";
+    case 23: *itemsize = 2; return "float16";         // NPY_HALF
+    default: return nullptr;
+  }
+}
+
+void HostMemory::acquire_for_call(pyb::handle obj, const char* name, bool writable, bool c_order) {
+  namespace d = pyb::detail;
+  // Only an object of numpy.ndarray's own type (numpy is loaded then: the object exists).
+  PyTypeObject* t = Py_TYPE(obj.ptr());
+  if (!PyObject_CheckBuffer(obj.ptr()) || std::strcmp(t->tp_name, "numpy.ndarray") != 0 ||
+      t != d::npy_api::get().PyArray_Type_)
+    return acquire(obj, name, writable, c_order);
+  const d::PyArray_Proxy* a = d::array_proxy(obj.ptr());
+  const d::PyArrayDescr_Proxy* descr = d::array_descriptor_proxy(a->descr);
+  const int contiguous = c_order ? d::npy_api::NPY_ARRAY_C_CONTIGUOUS_
+                                 : d::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | d::npy_api::NPY_ARRAY_F_CONTIGUOUS_;
+  size_t itemsize = 0;
+  const char* dtype = numpy_dtype(descr->type_num, &itemsize);
+  const bool native = descr->byteorder == '=' || descr->byteorder == '|' ||
+                      (descr->byteorder == '<' && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__);
+  if (!dtype || !native || !(a->flags & contiguous) || (writable && !(a->flags & d::npy_api::NPY_ARRAY_WRITEABLE_)))
+    return acquire(obj, name, writable, c_order);  // its errors name what is wrong
+  release();
+  ndim_ = 0;
+  more_.clear();
+  size_t n = 1;
+  for (int i = 0; i < a->nd; i++) {
+    push_dim(static_cast<size_t>(a->dimensions[i]));
+    n *= static_cast<size_t>(a->dimensions[i]);
+  }
+  if (a->nd == 0) push_dim(1);
+  data_ = a->data;
+  itemsize_ = itemsize;
+  size_ = n * itemsize;
+  dtype_ = dtype;
   torch_ = false;
   obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
 }

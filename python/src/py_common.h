@@ -57,6 +57,11 @@ class HostMemory {
   // writable: the memory will be written (refuses read-only exports). c_order: rows must be
   // C-contiguous (else any contiguous layout: the memory is taken as bytes).
   void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false);
+  // The same for memory used only during one call (the collectives' arrays): a plain numpy array of
+  // a numeric dtype is read from its fields, without a buffer export (numpy builds a format string
+  // for each one), and is held by a reference, which makes numpy refuse to resize it meanwhile.
+  // Anything else goes through acquire().
+  void acquire_for_call(pyb::handle obj, const char* name, bool writable, bool c_order = false);
   void release();
   void* data() const { return data_; }
   size_t size() const { return size_; }

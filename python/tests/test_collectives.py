@@ -88,6 +88,23 @@ def test_communicator_arguments():
             ep.dispatch(x.reshape((1,) * 9 + (32,)), idx)  # its last dimension is not hidden
         with pytest.raises(ValueError, match="topk_idx: shape"):  # all ten dimensions are seen, not the last two
             ep.dispatch(x, idx.reshape((1,) * 8 + (4, 2)))
+        # numpy arrays the binding does not read directly: the buffer protocol's errors, or the same result.
+        with pytest.raises(ValueError, match="x: .* not C-contiguous"):
+            ep.dispatch(np.asfortranarray(x), idx)
+        with pytest.raises(TypeError, match="x: dtype"):
+            ep.dispatch(x.astype(">f4"), idx)  # big-endian
+        frozen = np.zeros_like(recv_x)
+        frozen.flags.writeable = False
+        with pytest.raises(TypeError, match="recv_x is read-only"):
+            ep.dispatch(x, idx, recv_x=frozen)
+
+        class Sub(np.ndarray):
+            pass
+
+        recv_x, recv_count, h = ep.dispatch(x.view(Sub), idx.view(Sub))
+        assert recv_count.tolist() == [3, 2]
+        out = ep.combine(recv_x, np.ones((4, 2), np.float32).view(Sub), h)
+        np.testing.assert_allclose(out, x * np.array([2, 1, 0, 2], np.float32)[:, None])
     assert comm.closed
     with pytest.raises(ponte.Error) as e:
         comm.barrier()
