@@ -58,8 +58,9 @@ class HostMemory {
   // C-contiguous (else any contiguous layout: the memory is taken as bytes).
   void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false);
   // The same for memory used only during one call (the collectives' arrays): a plain numpy array of
-  // a numeric dtype is read from its fields, without a buffer export (numpy builds a format string
-  // for each one), and is held by a reference, which makes numpy refuse to resize it meanwhile.
+  // a numeric dtype is read from its fields, without a buffer export (the costly part of taking an
+  // array: bench/README.md, py_overhead), and is held by a reference, which makes numpy refuse to
+  // resize it meanwhile.
   // Anything else goes through acquire().
   void acquire_for_call(pyb::handle obj, const char* name, bool writable, bool c_order = false);
   void release();
