@@ -7,6 +7,7 @@
 #include <pybind11/numpy.h>
 
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -103,20 +104,27 @@ void check(const Status& st, const char* what) {
   if (!st.ok()) raise_refusal(st, what);
 }
 
-py::object new_array(bool torch, const std::vector<size_t>& shape, const std::string& dtype) {
+// torch's or numpy's module, imported once (a strong reference kept for the process's life).
+py::handle module_once(bool torch) {
+  static PyObject* mods[2] = {nullptr, nullptr};
+  PyObject*& m = mods[torch ? 1 : 0];
+  if (!m) m = py::module_::import(torch ? "torch" : "numpy").release().ptr();
+  return m;
+}
+
+py::object new_array(bool torch, std::initializer_list<size_t> shape, const char* dtype) {
   py::tuple t(shape.size());
-  for (size_t i = 0; i < shape.size(); i++) t[i] = shape[i];
-  if (torch) {
-    py::module_ m = py::module_::import("torch");
-    return m.attr("empty")(t, py::arg("dtype") = m.attr(dtype.c_str()));
-  }
-  return py::module_::import("numpy").attr("empty")(t, dtype == "bfloat16" ? "uint16" : dtype);
+  size_t i = 0;
+  for (size_t d : shape) t[i++] = d;
+  py::handle m = module_once(torch);
+  if (torch) return m.attr("empty")(t, py::arg("dtype") = m.attr(dtype));
+  return m.attr("empty")(t, std::strcmp(dtype, "bfloat16") == 0 ? "uint16" : dtype);
 }
 
 // numpy -> torch when the caller works in torch.
 py::object as_family(py::object np_array, bool torch) {
   if (!torch) return np_array;
-  return py::module_::import("torch").attr("from_numpy")(np_array);
+  return module_once(true).attr("from_numpy")(np_array);
 }
 
 // Rows of x, y, recv_x or out: a C-contiguous array of the buffer's dtype whose last dimension is
@@ -190,14 +198,11 @@ void topk_weights_of(Table<float>& t, py::handle obj, size_t tokens, int topk) {
 const py::detail::type_info* g_handle_tinfo = nullptr;
 
 HandleState& handle_of(py::handle obj, const EpState& s) {
-  HandleState* h = nullptr;
-  if (g_handle_tinfo && PyObject_TypeCheck(obj.ptr(), g_handle_tinfo->type)) {
-    auto vh = reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(g_handle_tinfo, false);
-    if (vh.inst && vh.vh && vh.holder_constructed()) h = vh.value_ptr<HandleState>();
-  }
-  if (!h) raise_type("handle must be a ponte.EpHandle, not %s", Py_TYPE(obj.ptr())->tp_name);
-  if (h->ep.get() != &s) raise_value("handle: it belongs to another EpBuffer");
-  return *h;
+  auto vh = constructed_instance(obj.ptr(), g_handle_tinfo);
+  if (!vh.inst) raise_type("handle must be a ponte.EpHandle, not %s", Py_TYPE(obj.ptr())->tp_name);
+  HandleState& h = *vh.value_ptr<HandleState>();
+  if (h.ep.get() != &s) raise_value("handle: it belongs to another EpBuffer");
+  return h;
 }
 
 // recv_x [L, W * max_tokens, H] and recv_count [L] for a dispatch.

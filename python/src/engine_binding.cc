@@ -661,10 +661,8 @@ const pyb::detail::type_info* g_region_tinfo = nullptr;
 
 template <typename T>
 const std::shared_ptr<T>* holder_of(PyObject* obj, const pyb::detail::type_info* ti) {
-  if (!ti || !PyObject_TypeCheck(obj, ti->type)) return nullptr;
-  auto vh = reinterpret_cast<pyb::detail::instance*>(obj)->get_value_and_holder(ti, /*throw_if_missing=*/false);
-  if (!vh.inst || !vh.vh || !vh.value_ptr() || !vh.holder_constructed()) return nullptr;  // __init__ did not run
-  return &vh.holder<std::shared_ptr<T>>();
+  auto vh = constructed_instance(obj, ti);
+  return vh.inst ? &vh.holder<std::shared_ptr<T>>() : nullptr;
 }
 
 pyb::object engine_write(const std::shared_ptr<EngineState>& s, pyb::handle peer, pyb::handle region,

@@ -147,28 +147,55 @@ ByteView arg_bytes(pyb::handle obj, const char* name, Py_buffer* hold) {
 
 // ---- caller memory
 
+namespace {
+
+// torch.Tensor's type once seen (a strong reference kept for the process's life: torch is never
+// unloaded), and the names a tensor is read through, interned once.
+PyTypeObject* g_tensor_type = nullptr;
+
+PyObject* interned(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);  // kept for the process's life
+  if (!o) throw pyb::error_already_set();
+  return o;
+}
+
+// torch dtypes seen so far (torch's dtype objects are singletons, held here by a strong reference):
+// a tensor's dtype is then one attribute read and a pointer compare, not a str() and a call.
+struct TorchDType {
+  PyObject* dtype = nullptr;
+  char name[24] = {};
+  size_t itemsize = 0;
+};
+std::array<TorchDType, 32> g_torch_dtypes;  // more dtypes than torch has; beyond it, read each time
+size_t g_torch_dtype_count = 0;
+
+}  // namespace
+
 bool is_torch_tensor(pyb::handle obj) {
   // A torch.Tensor does not export the buffer protocol: numpy arrays and bytearrays, the common
   // case of a hot loop, are answered here without looking torch up.
   if (PyObject_CheckBuffer(obj.ptr())) return false;
-  static PyObject* const name = PyUnicode_InternFromString("torch");  // kept for the process's life
-  if (!name) {
-    PyErr_Clear();
-    return false;
+  if (!g_tensor_type) {
+    static PyObject* const name = PyUnicode_InternFromString("torch");  // kept for the process's life
+    if (!name) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* torch = PyImport_GetModule(name);  // new ref or NULL; never imports
+    if (!torch) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* tensor = PyObject_GetAttrString(torch, "Tensor");
+    Py_DECREF(torch);
+    if (!tensor || !PyType_Check(tensor)) {
+      Py_XDECREF(tensor);
+      PyErr_Clear();
+      return false;
+    }
+    g_tensor_type = reinterpret_cast<PyTypeObject*>(tensor);  // the reference is kept
   }
-  PyObject* torch = PyImport_GetModule(name);  // new ref or NULL; never imports
-  if (!torch) {
-    PyErr_Clear();
-    return false;
-  }
-  pyb::object mod = pyb::reinterpret_steal<pyb::object>(torch);
-  if (!pyb::hasattr(mod, "Tensor")) return false;
-  int r = PyObject_IsInstance(obj.ptr(), mod.attr("Tensor").ptr());
-  if (r < 0) {
-    PyErr_Clear();
-    return false;
-  }
-  return r == 1;
+  return PyObject_TypeCheck(obj.ptr(), g_tensor_type);
 }
 
 static std::string format_dtype(const char* fmt, size_t itemsize) {
@@ -195,23 +222,7 @@ static std::string format_dtype(const char* fmt, size_t itemsize) {
 void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool c_order) {
   release();
   if (obj.is_none()) raise_type("%s must be a numpy array, bytearray or CPU torch tensor, not None", name);
-  if (is_torch_tensor(obj)) {
-    std::string dev = pyb::str(obj.attr("device").attr("type"));
-    if (dev != "cpu") raise_value("%s: a %s tensor; only CPU tensors are supported", name, dev.c_str());
-    if (!obj.attr("is_contiguous")().cast<bool>()) raise_value("%s: the tensor is not contiguous (call .contiguous())", name);
-    size_t numel = obj.attr("numel")().cast<size_t>();
-    itemsize_ = obj.attr("element_size")().cast<size_t>();
-    size_ = numel * itemsize_;
-    data_ = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
-    dtype_ = pyb::str(obj.attr("dtype"));
-    if (dtype_.rfind("torch.", 0) == 0) dtype_ = dtype_.substr(6);
-    ndim_ = 0;
-    more_.clear();
-    for (auto d : obj.attr("shape")) push_dim(d.cast<size_t>());
-    torch_ = true;
-    obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
-    return;
-  }
+  if (is_torch_tensor(obj)) return acquire_torch(obj, name);
   if (!PyObject_CheckBuffer(obj.ptr()) || PyUnicode_Check(obj.ptr()))
     raise_type("%s must be a numpy array, bytearray or CPU torch tensor (an object with the buffer protocol), not %s",
                name, type_name(obj));
@@ -239,6 +250,78 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
     for (int i = 0; i < view_.ndim; i++) push_dim(static_cast<size_t>(view_.shape ? view_.shape[i] : size_ / itemsize_));
   }
   torch_ = false;
+  obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
+}
+
+// A CPU tensor, read through five attribute reads and calls (is_cpu, dtype, shape, is_contiguous,
+// data_ptr), with names interned and dtypes remembered: torch's own str(), element_size(), numel()
+// and device objects are taken only on the way to an error or for a dtype not seen before.
+void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
+  static PyObject* const n_is_cpu = interned("is_cpu");
+  static PyObject* const n_dtype = interned("dtype");
+  static PyObject* const n_shape = interned("shape");
+  static PyObject* const n_is_contiguous = interned("is_contiguous");
+  static PyObject* const n_data_ptr = interned("data_ptr");
+  PyObject* o = obj.ptr();
+  // A torch error on the way (a sparse or otherwise unreadable tensor) becomes a ValueError naming
+  // the argument.
+  auto attr = [&](PyObject* n, bool call) {
+    PyObject* r = call ? PyObject_CallMethodNoArgs(o, n) : PyObject_GetAttr(o, n);
+    if (!r) {
+      pyb::error_already_set e;
+      raise_value("%s: the tensor cannot be read as CPU memory (%s)", name, e.what());
+    }
+    return pyb::reinterpret_steal<pyb::object>(r);
+  };
+  if (attr(n_is_cpu, false).ptr() != Py_True) {
+    std::string dev = pyb::str(obj.attr("device").attr("type"));
+    raise_value("%s: a %s tensor; only CPU tensors are supported", name, dev.c_str());
+  }
+  if (attr(n_is_contiguous, true).ptr() != Py_True)
+    raise_value("%s: the tensor is not contiguous (call .contiguous())", name);
+  pyb::object dt = attr(n_dtype, false);
+  const TorchDType* known = nullptr;
+  for (size_t i = 0; i < g_torch_dtype_count; i++)
+    if (g_torch_dtypes[i].dtype == dt.ptr()) known = &g_torch_dtypes[i];
+  if (known) {
+    dtype_ = known->name;
+    itemsize_ = known->itemsize;
+  } else {
+    dtype_ = pyb::str(dt);
+    if (dtype_.rfind("torch.", 0) == 0) dtype_ = dtype_.substr(6);
+    static PyObject* const n_element_size = interned("element_size");
+    itemsize_ = attr(n_element_size, true).cast<size_t>();
+    if (g_torch_dtype_count < g_torch_dtypes.size() && dtype_.size() < sizeof(TorchDType::name)) {
+      TorchDType& t = g_torch_dtypes[g_torch_dtype_count++];
+      std::memcpy(t.name, dtype_.c_str(), dtype_.size() + 1);
+      t.itemsize = itemsize_;
+      t.dtype = dt.release().ptr();  // the reference is kept
+    }
+  }
+  pyb::object shape = attr(n_shape, false);
+  ndim_ = 0;
+  more_.clear();
+  size_t n = 1;
+  if (PyTuple_Check(shape.ptr())) {  // torch.Size is a tuple
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape.ptr()); i++) {
+      size_t d = PyLong_AsSize_t(PyTuple_GET_ITEM(shape.ptr(), i));
+      if (d == static_cast<size_t>(-1) && PyErr_Occurred()) throw pyb::error_already_set();
+      push_dim(d);
+      n *= d;
+    }
+  } else {
+    for (auto d : shape) {
+      size_t v = d.cast<size_t>();
+      push_dim(v);
+      n *= v;
+    }
+  }
+  if (ndim_ == 0) push_dim(1);  // a 0-d tensor holds one element
+  void* p = PyLong_AsVoidPtr(attr(n_data_ptr, true).ptr());
+  if (!p && PyErr_Occurred()) throw pyb::error_already_set();
+  data_ = p;
+  size_ = n * itemsize_;
+  torch_ = true;
   obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
 }
 

@@ -91,7 +91,17 @@ class HostMemory {
   std::vector<size_t> more_;
   size_t ndim_ = 0;
   void push_dim(size_t d);
+  void acquire_torch(pyb::handle obj, const char* name);
 };
+
+// The C++ side of a constructed pybind11 instance of ti's class (or a subclass), read through
+// pybind11's instance layout with ti looked up once; empty (inst null) for anything else.
+inline pyb::detail::value_and_holder constructed_instance(PyObject* obj, const pyb::detail::type_info* ti) {
+  if (!ti || !PyObject_TypeCheck(obj, ti->type)) return {};
+  auto vh = reinterpret_cast<pyb::detail::instance*>(obj)->get_value_and_holder(ti, /*throw_if_missing=*/false);
+  if (!vh.inst || !vh.vh || !vh.value_ptr() || !vh.holder_constructed()) return {};  // __init__ did not run
+  return vh;
+}
 
 // Whether obj is a torch.Tensor (without importing torch: only when torch is already loaded).
 bool is_torch_tensor(pyb::handle obj);

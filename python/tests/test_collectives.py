@@ -1,6 +1,6 @@
 """ponte.Communicator and ponte.EpBuffer from Python: MoE dispatch/combine with W = 2 and 4 rank
 processes over tcp;ofi_rxm and shm, checked against the single-process computation; bad input;
-a dead rank; torch.distributed bootstrap."""
+a dead rank; torch tensors; torch.distributed bootstrap."""
 import pytest
 
 import ponte
@@ -78,6 +78,14 @@ def test_communicator_arguments():
         np.testing.assert_allclose(out, x * np.array([2, 1, 0, 2], np.float32)[:, None])
         with pytest.raises(ValueError, match="src_info"):
             h.src_info  # released by combine
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        with pytest.raises(TypeError, match="handle must be a ponte.EpHandle, not str"):
+            ep.combine(recv_x, np.ones((4, 2), np.float32), "a handle")
+        other = ponte.EpBuffer(comm, 2, 8, 4, 2)
+        with pytest.raises(ValueError, match="handle: it belongs to another EpBuffer"):
+            other.combine(recv_x, np.ones((4, 2), np.float32), h)
+        other.close()
+        ep.combine(recv_x, np.ones((4, 2), np.float32), h)  # the handle still serves its own EpBuffer
         # Rows of more dimensions than the binding keeps inline (8): the same rows, the same result.
         x10 = x.reshape((1,) * 8 + (4, 8))
         recv_x, recv_count, h = ep.dispatch(x10, idx)
@@ -109,3 +117,43 @@ def test_communicator_arguments():
     with pytest.raises(ponte.Error) as e:
         comm.barrier()
     assert e.value.code == ponte.Code.CANCELLED
+
+
+def test_torch_tensors_in_an_epbuffer():
+    torch = pytest.importorskip("torch")
+    with ponte.Communicator(0, 1, lambda b: [b], provider="tcp;ofi_rxm", timeout_ms=3000) as comm:
+        ep = ponte.EpBuffer(comm, 2, 8, 4, 2)
+        x = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+        idx = torch.tensor([[0, 1], [1, -1], [-1, -1], [0, 0]])
+        expect = x * torch.tensor([2.0, 1.0, 0.0, 2.0])[:, None]
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        assert isinstance(recv_x, torch.Tensor) and recv_count.tolist() == [3, 2]  # torch in, torch out
+        out = ep.combine(recv_x, torch.ones(4, 2), h)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, expect)
+        # A subclass (nn.Parameter, which requires grad), int32 indices and float64 weights: converted.
+        recv_x, recv_count, h = ep.dispatch(torch.nn.Parameter(x.clone()), idx.int())
+        assert recv_count.tolist() == [3, 2]
+        assert torch.equal(ep.combine(recv_x, torch.ones(4, 2, dtype=torch.float64), h), expect)
+        with pytest.raises(ValueError, match="x: a meta tensor; only CPU tensors"):
+            ep.dispatch(torch.zeros(4, 8, device="meta"), idx)
+        with pytest.raises(ValueError, match="x: the tensor is not contiguous"):
+            ep.dispatch(torch.zeros(8, 4).t(), idx)
+        with pytest.raises(ValueError, match="x: the tensor cannot be read as CPU memory"):
+            ep.dispatch(torch.zeros(4, 8).to_sparse(), idx)
+        # Each dtype named right, the first time (read from torch) and the second (remembered), and
+        # the buffer still works after every refusal.
+        for _ in range(2):
+            for dt in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float64",
+                       "complex64"):
+                with pytest.raises(TypeError, match=f"x: dtype {dt}, but the EpBuffer is float32"):
+                    ep.dispatch(torch.zeros(4, 8, dtype=getattr(torch, dt)), idx)
+            recv_x, recv_count, h = ep.dispatch(x, idx)
+            assert torch.equal(ep.combine(recv_x, torch.ones(4, 2), h), expect)
+        # bfloat16 rows, and a 1-byte view of them refused as int8.
+        ep16 = ponte.EpBuffer(comm, 2, 8, 4, 2, dtype="bfloat16")
+        x16 = x.to(torch.bfloat16)
+        recv_x, recv_count, h = ep16.dispatch(x16, idx)
+        assert recv_x.dtype == torch.bfloat16 and recv_count.tolist() == [3, 2]
+        assert torch.equal(ep16.combine(recv_x, torch.ones(4, 2), h), expect.to(torch.bfloat16))
+        with pytest.raises(TypeError, match="x: dtype int8"):
+            ep16.dispatch(x16.view(torch.int8), idx)
