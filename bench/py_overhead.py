@@ -21,7 +21,9 @@ ep-bench's small one: W 2, 128 tokens per rank, H 128, top-2, 16 experts, bf16),
 then dispatch_send+dispatch_recv and combine_send+combine_recv; per iteration the slowest rank;
 p50 over ``--ep-iters`` rounds, default 1,000: 50 rounds are about 4 ms of work on tcp, and their
 ratio moved between 0.70 and 1.25 from run to run). Python reuses its recv_x/recv_count/out arrays,
-as a real loop would. Target: C++/Python time >= 0.9.
+as a real loop would. Target: C++/Python time >= 0.9. ``--ep-tensors`` picks what Python passes:
+numpy arrays (the ``python`` row), CPU torch tensors over the same memory (the ``py-torch`` row, what
+a PyTorch MoE layer passes), or both (default, when torch imports).
 
 Run with Debian's python (numpy): ``PYTHONPATH=build/python /usr/bin/python3 bench/py_overhead.py``.
 Exit status 1 when a run failed or did not verify.
@@ -211,6 +213,8 @@ def main():
     ap.add_argument("--ep-topk", type=int, default=2)
     ap.add_argument("--ep-experts", type=int, default=16)
     ap.add_argument("--ep-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--ep-tensors", choices=["numpy", "torch", "both"], default=None,
+                    help="what the Python MoE rows pass (default both when torch imports, else numpy)")
     ap.add_argument("--ep-iters", type=int, default=1000,
                     help="measured dispatch+combine rounds per run (default 1000; 50, about 4 ms of work on tcp, "
                          "gave ratios from 0.70 to 1.25 between runs)")
@@ -263,7 +267,16 @@ def main():
     if a.ep == "auto":
         shape = dict(tokens=a.ep_tokens, hidden=a.ep_hidden, topk=a.ep_topk, experts=a.ep_experts, dtype=a.ep_dtype,
                      iters=a.ep_iters, warmup=5)
-        failed |= not ep_overhead(build, a.providers.split(","), a.repeat, a.ep_world, shape)
+        tensors = a.ep_tensors
+        if tensors is None:
+            try:
+                import torch  # noqa: F401
+                tensors = "both"
+            except ImportError:
+                print("py_overhead: torch does not import: the MoE rows pass numpy arrays only")
+                tensors = "numpy"
+        whos = {"numpy": ["python"], "torch": ["py-torch"], "both": ["python", "py-torch"]}[tensors]
+        failed |= not ep_overhead(build, a.providers.split(","), a.repeat, a.ep_world, shape, whos)
     return 1 if failed else 0
 
 
@@ -288,18 +301,32 @@ def ep_rank(me, world, conn, cfg, build):
         recv_x = np.empty((ep.local_experts, ep.recv_rows_per_expert, H), dtype=dt)
         recv_count = np.empty(ep.local_experts, dtype=np.int32)
         out = np.empty((T, H), dtype=dt)
+        if cfg.get("tensors") == "torch":
+            # Tensors over the same memory (bf16 through an int16 view: torch has no uint16), so the
+            # check below reads what the torch calls wrote.
+            import torch
+
+            def tensor(a):
+                if a.dtype == np.uint16:
+                    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+                return torch.from_numpy(a)
+        else:
+            def tensor(a):
+                return a
+        x_in, recv_x_in, recv_count_in, out_in = tensor(x), tensor(recv_x), tensor(recv_count), tensor(out)
         rng = np.random.default_rng(me + 1)
         d_us, c_us, verified = [], [], True
         for it in range(cfg["warmup"] + cfg["iters"]):
             idx = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)  # K distinct experts per token
             w = np.full((T, K), 1.0 / K, dtype=np.float32)
+            idx, w = tensor(idx), tensor(w)
             comm.barrier()
             t0 = time.perf_counter()
-            h = ep.dispatch_send(x, idx)
-            ep.dispatch_recv(h, recv_x, recv_count)
+            h = ep.dispatch_send(x_in, idx)
+            ep.dispatch_recv(h, recv_x_in, recv_count_in)
             t1 = time.perf_counter()
-            ep.combine_send(recv_x, h)  # the "experts" return their input: out = x * sum(w) = x
-            ep.combine_recv(h, w, out=out)
+            ep.combine_send(recv_x_in, h)  # the "experts" return their input: out = x * sum(w) = x
+            ep.combine_recv(h, w, out=out_in)
             t2 = time.perf_counter()
             if it >= cfg["warmup"]:
                 d_us.append((t1 - t0) * 1e6)
@@ -369,7 +396,7 @@ def cpp_ep(ep_bench, cfg, world):
     return {"d": r["dispatch_p50_us"], "c": r["combine_p50_us"], "verified": r["verified"]}
 
 
-def ep_overhead(build, providers, repeat, world, shape):
+def ep_overhead(build, providers, repeat, world, shape, pythons=("python",)):
     """dispatch+combine through Python against ep-bench (C++), same shape, same provider, one run."""
     import ponte
     ep_bench = os.path.join(build, "bench", "ep-bench")
@@ -385,28 +412,33 @@ def ep_overhead(build, providers, repeat, world, shape):
     print("%-14s %-8s %12s %12s %12s %9s" % ("provider", "who", "dispatch_us", "combine_us", "sum_us", "verified"))
     for provider in providers:
         cfg = dict(shape, provider=provider)
-        runs = {"c++": [], "python": []}
+        whos = ("c++",) + tuple(pythons)
+        runs = {who: [] for who in whos}
         for _ in range(repeat):
-            for who in ("c++", "python"):
+            for who in whos:
                 try:
-                    runs[who].append(cpp_ep(ep_bench, cfg, world) if who == "c++" else python_ep(cfg, world, build))
+                    tensors = "torch" if who == "py-torch" else "numpy"
+                    runs[who].append(cpp_ep(ep_bench, cfg, world) if who == "c++" else
+                                     python_ep(dict(cfg, tensors=tensors), world, build))
                 except Exception as e:
                     print("py_overhead: %s dispatch+combine on %s: %s" % (who, provider, e))
                     runs[who].append(None)  # keeps the rounds aligned for the per-round ratios
                     ok = False
         best = {k: min((r for r in v if r), key=lambda r: r["d"] + r["c"]) for k, v in runs.items() if any(v)}
-        for who in ("c++", "python"):
+        for who in whos:
             if who in best:
                 r = best[who]
                 print("%-14s %-8s %12.1f %12.1f %12.1f %9s" % (provider, who, r["d"], r["c"], r["d"] + r["c"],
                                                              "yes" if r["verified"] else "NO"))
                 ok &= bool(r["verified"])
-        if len(best) == 2:
-            print("%-14s ratio c++/python time = %.3f (target >= 0.9)" % (
-                provider, (best["c++"]["d"] + best["c++"]["c"]) / (best["python"]["d"] + best["python"]["c"])))
+        for who in pythons:
+            if who not in best or "c++" not in best:
+                continue
+            print("%-14s ratio c++/%s time = %.3f (target >= 0.9)" % (
+                provider, who, (best["c++"]["d"] + best["c++"]["c"]) / (best[who]["d"] + best[who]["c"])))
             rounds = [(k["d"] + k["c"]) / (q["d"] + q["c"]) if q and k else None
-                      for q, k in zip(runs["python"], runs["c++"])]
-            print("%-14s   c++/python %s" % (provider, per_round(rounds)))
+                      for q, k in zip(runs[who], runs["c++"])]
+            print("%-14s   c++/%s %s" % (provider, who, per_round(rounds)))
     return ok
 
 

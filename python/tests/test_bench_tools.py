@@ -1,5 +1,6 @@
 """bench/py_overhead.py, run small: every stream (Python per write, Python in paged_write batches,
-ponte-bench) verifies its data before it is timed, and the MoE rows verify theirs; exit status 0."""
+ponte-bench) verifies its data before it is timed, and the MoE rows (numpy arrays and torch tensors)
+verify theirs; exit status 0."""
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ def test_py_overhead_verifies_every_row_on_shm_and_tcp():
     bench = os.path.join(BUILD, "bench", "ponte-bench")
     assert os.access(bench, os.X_OK), "%s is not built: the stream's reference row cannot run" % bench
     cmd = [sys.executable, os.path.join(REPO, "bench", "py_overhead.py"), "--build", BUILD, "--iters", "256",
-           "--repeat", "1", "--batch", "4", "--ep-iters", "3", "--providers", "shm,tcp;ofi_rxm"]
+           "--repeat", "1", "--batch", "4", "--ep-iters", "3", "--providers", "shm,tcp;ofi_rxm", "--ep-tensors", "both"]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     print(p.stdout)
     assert p.returncode == 0, p.stdout[-3000:]
@@ -27,6 +28,8 @@ def test_py_overhead_verifies_every_row_on_shm_and_tcp():
         for who in ("python", "py-b4"):
             assert re.search(r"^%s\s+%s/c\+\+ per round \d+\.\d+; median \d" % (re.escape(provider), who),
                              p.stdout, re.M), (provider, who)
-        assert re.search(r"^%s\s+c\+\+/python per round \d+\.\d+; median \d" % re.escape(provider),
-                         p.stdout, re.M), provider
-        assert re.search(r"^%s\s+python .* yes$" % re.escape(provider), p.stdout, re.M), provider
+        for who in ("python", "py-torch"):  # numpy arrays, then torch tensors over the same memory
+            assert re.search(r"^%s\s+ratio c\+\+/%s time = \d" % (re.escape(provider), who), p.stdout, re.M), who
+            assert re.search(r"^%s\s+c\+\+/%s per round \d+\.\d+; median \d" % (re.escape(provider), who),
+                             p.stdout, re.M), (provider, who)
+            assert re.search(r"^%s\s+%s .* yes$" % (re.escape(provider), who), p.stdout, re.M), (provider, who)
