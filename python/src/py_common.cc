@@ -166,6 +166,13 @@ struct TorchDType {
   char name[24] = {};
   size_t itemsize = 0;
 };
+// Whether a tensor of this dtype can be a lazily negated view (torch's neg bit: a float or complex
+// tensor, e.g. the imaginary part of a conjugate) or a lazily conjugated one (complex): its memory
+// then does not hold its values.
+bool may_be_conjugated(const char* dtype) { return std::strncmp(dtype, "complex", 7) == 0; }
+bool may_be_negated(const char* dtype) {
+  return std::strncmp(dtype, "float", 5) == 0 || std::strncmp(dtype, "bfloat", 6) == 0 || may_be_conjugated(dtype);
+}
 std::array<TorchDType, 32> g_torch_dtypes;  // more dtypes than torch has; beyond it, read each time
 size_t g_torch_dtype_count = 0;
 
@@ -254,7 +261,8 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
 }
 
 // A CPU tensor, read through five attribute reads and calls (is_cpu, dtype, shape, is_contiguous,
-// data_ptr), with names interned and dtypes remembered: torch's own str(), element_size(), numel()
+// data_ptr; and is_neg / is_conj for a float or complex dtype), with names interned and dtypes
+// remembered: torch's own str(), element_size(), numel()
 // and device objects are taken only on the way to an error or for a dtype not seen before.
 void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
   static PyObject* const n_is_cpu = interned("is_cpu");
@@ -298,6 +306,13 @@ void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
       t.dtype = dt.release().ptr();  // the reference is kept
     }
   }
+  static PyObject* const n_is_neg = interned("is_neg");
+  static PyObject* const n_is_conj = interned("is_conj");
+  if (may_be_negated(dtype_.c_str()) && attr(n_is_neg, true).ptr() == Py_True)
+    raise_value("%s: the tensor is a negated view: its memory does not hold its values (call .resolve_neg())", name);
+  if (may_be_conjugated(dtype_.c_str()) && attr(n_is_conj, true).ptr() == Py_True)
+    raise_value("%s: the tensor is a conjugated view: its memory does not hold its values (call .resolve_conj())",
+                name);
   pyb::object shape = attr(n_shape, false);
   ndim_ = 0;
   more_.clear();

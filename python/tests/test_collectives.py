@@ -140,6 +140,8 @@ def test_torch_tensors_in_an_epbuffer():
             ep.dispatch(torch.zeros(8, 4).t(), idx)
         with pytest.raises(ValueError, match="x: the tensor cannot be read as CPU memory"):
             ep.dispatch(torch.zeros(4, 8).to_sparse(), idx)
+        with pytest.raises(ValueError, match="x: the tensor is a negated view"):
+            ep.dispatch(torch._neg_view(x), idx)  # its memory holds x, its values are -x
         # Each dtype named right, the first time (read from torch) and the second (remembered), and
         # the buffer still works after every refusal.
         for _ in range(2):

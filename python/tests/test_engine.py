@@ -205,6 +205,13 @@ def test_torch_tensors_register_and_move(link):
             assert torch.equal(y.view(torch.float32), x)
     with pytest.raises(ValueError, match="buf"):
         eng.register(torch.zeros(10, 10)[:, 0])  # not contiguous
+    # Lazy views whose memory does not hold their values: refused, as torch's own numpy() does.
+    with pytest.raises(ValueError, match="buf: the tensor is a conjugated view"):
+        eng.register(torch.ones(8, dtype=torch.complex64).conj())
+    with pytest.raises(ValueError, match="buf: the tensor is a negated view"):
+        eng.register(torch._neg_view(torch.ones(8)))
+    with eng.register(torch.ones(8, dtype=torch.complex64).conj().resolve_conj()) as r:
+        assert r.nbytes == 64
 
 
 def test_striped_writes_over_two_nics(provider):
