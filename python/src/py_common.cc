@@ -300,10 +300,12 @@ void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
     static PyObject* const n_element_size = interned("element_size");
     itemsize_ = attr(n_element_size, true).cast<size_t>();
     if (g_torch_dtype_count < g_torch_dtypes.size() && dtype_.size() < sizeof(TorchDType::name)) {
-      TorchDType& t = g_torch_dtypes[g_torch_dtype_count++];
+      // Filled, then counted (the GIL is held throughout: no Python code runs in between).
+      TorchDType& t = g_torch_dtypes[g_torch_dtype_count];
       std::memcpy(t.name, dtype_.c_str(), dtype_.size() + 1);
       t.itemsize = itemsize_;
       t.dtype = dt.release().ptr();  // the reference is kept
+      g_torch_dtype_count++;
     }
   }
   static PyObject* const n_is_neg = interned("is_neg");
