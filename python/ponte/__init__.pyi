@@ -6,7 +6,8 @@ import numpy as np
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Pages = Union[Sequence[int], np.ndarray]
-# numpy arrays, bytearray, memoryview, or a contiguous CPU torch.Tensor
+# numpy arrays, bytearray, memoryview, or a contiguous CPU torch.Tensor (not a lazily negated or
+# conjugated view: call .resolve_neg() / .resolve_conj() first)
 Memory = Any
 
 class Code(IntEnum):

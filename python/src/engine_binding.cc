@@ -868,8 +868,8 @@ void bind_engine(pyb::module_& m) {
         return r;
       }, py::arg("buf"),
            "Registers ``buf`` (a writable contiguous object with the buffer protocol, such as a numpy array or "
-           "bytearray, or a contiguous CPU torch tensor) on every NIC of the group. The Region keeps ``buf`` "
-           "alive; do not resize it while registered.")
+           "bytearray, or a contiguous CPU torch tensor that is not a lazily negated or conjugated view) on "
+           "every NIC of the group. The Region keeps ``buf`` alive; do not resize it while registered.")
       .def("read", [](const EnginePtr& s, py::handle peer, py::handle region, py::handle offset, py::handle nbytes,
                       py::handle remote, py::handle remote_offset) {
         auto op = s->new_op();
