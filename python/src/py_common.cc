@@ -260,10 +260,10 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
   obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
 }
 
-// A CPU tensor, read through five attribute reads and calls (is_cpu, dtype, shape, is_contiguous,
+// A CPU tensor, read through five attribute reads and calls (is_cpu, is_contiguous, dtype, shape,
 // data_ptr; and is_neg / is_conj for a float or complex dtype), with names interned and dtypes
-// remembered: torch's own str(), element_size(), numel()
-// and device objects are taken only on the way to an error or for a dtype not seen before.
+// remembered: torch's str(dtype), element_size() and device are taken only for a dtype not seen
+// before or on the way to an error, and numel() never (the product of the shape).
 void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
   static PyObject* const n_is_cpu = interned("is_cpu");
   static PyObject* const n_dtype = interned("dtype");
