@@ -130,7 +130,8 @@ def test_torch_tensors_in_an_epbuffer():
         assert isinstance(recv_x, torch.Tensor) and recv_count.tolist() == [3, 2]  # torch in, torch out
         out = ep.combine(recv_x, torch.ones(4, 2), h)
         assert isinstance(out, torch.Tensor) and torch.equal(out, expect)
-        # A subclass (nn.Parameter, which requires grad), int32 indices and float64 weights: converted.
+        # A subclass (nn.Parameter, which requires grad) is read as a tensor; int32 indices and float64
+        # weights are converted.
         recv_x, recv_count, h = ep.dispatch(torch.nn.Parameter(x.clone()), idx.int())
         assert recv_count.tolist() == [3, 2]
         assert torch.equal(ep.combine(recv_x, torch.ones(4, 2, dtype=torch.float64), h), expect)
