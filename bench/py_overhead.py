@@ -9,7 +9,8 @@ Write stream: two processes on loopback, ``--size`` writes (default 64 KiB) with
 worker). Both streams write slot k % window of the same-sized buffers, so both walk the same memory.
 A third row (``--batch B``, default 4; 0 leaves it out) writes the same stream from Python with
 ``paged_write``, B writes per call and window / B calls in flight.
-Both verify data before measuring. Runs alternate ``--repeat`` times; the best run of each is kept
+Both verify data before measuring. Runs alternate ``--repeat`` times, the order of the rows rotated by
+one each round (so every row runs first in some round); the best run of each is kept
 (the machine is shared), and a second line gives each round's own ratio (python and C++ runs side by
 side) with their median and range, which show how far the rounds disagree.
 Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
@@ -185,6 +186,14 @@ def best(rows):
     return max(rows, key=lambda r: r["GBps"]) if rows else None
 
 
+def rotated(whos, i):
+    """Round i's order: the rows rotated by i, so each row runs first, second, ... in turn. A row run
+    in the same place every round measured that place too (the torch MoE row, always third, trailed
+    the numpy row by 9-84 us, and not when run alone)."""
+    i %= len(whos)
+    return list(whos[i:]) + list(whos[:i])
+
+
 def per_round(ratios):
     """Each alternating round's own ratio, then their median and spread: on a shared 2-core host one
     round's pair can land in different speeds, so best-of-each alone hides how far rounds disagree."""
@@ -230,15 +239,15 @@ def main():
     if a.batch < 0 or a.batch == 1 or (a.batch and a.window % a.batch):
         sys.exit("py_overhead: --batch must be 0 or a divisor of --window larger than 1")
     failed = False
-    print("py_overhead: %d-byte writes, window %d, %d per run, best of %d (two processes on loopback)"
-          % (size, a.window, a.iters, a.repeat))
+    print("py_overhead: %d-byte writes, window %d, %d per run, best of %d, rows rotated each round"
+          " (two processes on loopback)" % (size, a.window, a.iters, a.repeat))
     print("%-14s %-8s %10s %10s %10s %12s" % ("provider", "who", "BW[GB/s]", "Mops", "us/op", "proc_us/op"))
     for provider in a.providers.split(","):
         pyb = "py-b%d" % a.batch
         whos = ("ponte-bench", "python", pyb) if a.batch else ("ponte-bench", "python")
         runs = {who: [] for who in whos}
-        for _ in range(a.repeat):
-            for who in whos:
+        for i in range(a.repeat):
+            for who in rotated(whos, i):
                 try:
                     if who == "python":
                         runs[who].append(python_stream(provider, size, a.window, a.iters, build))
@@ -407,15 +416,15 @@ def ep_overhead(build, providers, repeat, world, shape, pythons=("python",)):
     ok = True
     print()
     print("py_overhead: MoE dispatch+combine, W=%d, T=%d H=%d top-%d E=%d %s, p50 over %d iterations of the slowest"
-          " rank, best of %d" % (world, shape["tokens"], shape["hidden"], shape["topk"], shape["experts"],
-                                 shape["dtype"], shape["iters"], repeat))
+          " rank, best of %d, rows rotated each round" % (world, shape["tokens"], shape["hidden"], shape["topk"],
+                                                          shape["experts"], shape["dtype"], shape["iters"], repeat))
     print("%-14s %-8s %12s %12s %12s %9s" % ("provider", "who", "dispatch_us", "combine_us", "sum_us", "verified"))
     for provider in providers:
         cfg = dict(shape, provider=provider)
         whos = ("c++",) + tuple(pythons)
         runs = {who: [] for who in whos}
-        for _ in range(repeat):
-            for who in whos:
+        for i in range(repeat):
+            for who in rotated(whos, i):
                 try:
                     tensors = "torch" if who == "py-torch" else "numpy"
                     runs[who].append(cpp_ep(ep_bench, cfg, world) if who == "c++" else

@@ -33,3 +33,20 @@ def test_py_overhead_verifies_every_row_on_shm_and_tcp():
             assert re.search(r"^%s\s+c\+\+/%s per round \d+\.\d+; median \d" % (re.escape(provider), who),
                              p.stdout, re.M), (provider, who)
             assert re.search(r"^%s\s+%s .* yes$" % (re.escape(provider), who), p.stdout, re.M), (provider, who)
+
+
+def test_py_overhead_rotates_the_rows_each_round():
+    """Every row runs in every place of a round once in as many rounds as there are rows: a row kept
+    third measured its place as well as itself."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("py_overhead", os.path.join(REPO, "bench", "py_overhead.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = ("c++", "python", "py-torch")
+    orders = [tool.rotated(rows, i) for i in range(len(rows))]
+    for order in orders:
+        assert sorted(order) == sorted(rows), order  # each round runs every row once
+    for place in range(len(rows)):
+        assert sorted(o[place] for o in orders) == sorted(rows), (place, orders)
+    assert orders[0] == list(rows)  # the first round keeps the order the table prints
+    assert tool.rotated(rows, 4) == orders[1]  # more rounds than rows wrap around
