@@ -9,9 +9,10 @@
 // Every run is two fresh processes (this binary started again), each loading one plugin (the
 // newest of ncclNetPlugin_v11 .. _v8 it exports, or the one --abi names), reading its device
 // properties, listening, connecting to the other and accepting; side A sends and measures, side B
-// receives. With --compare the two plugins run alternately, --repeat times each; the best run per
-// row is kept and the spread over the runs printed beside it (the host is shared; the load
-// average is printed before and after). The bandwidth loop makes one plugin call per pass per
+// receives. With --compare the two plugins run alternately, --repeat times each, taking turns to
+// go first; the best run per row is kept and the spread over the runs printed beside it, and under
+// each table every round's own ratio (the two runs side by side) with their median (the host is
+// shared; the load average is printed before and after). The bandwidth loop makes one plugin call per pass per
 // comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free, or else
 // test the oldest one; --pass all posts every free slot and tests every request on each pass.
 // --channels N connects N send/receive comm pairs between the two sides, as NCCL opens one per
@@ -738,7 +739,30 @@ struct PluginResult {
   std::string name;
   std::map<size_t, Row> bw;
   std::map<size_t, Latency> lat;
+  std::map<size_t, std::vector<double>> bw_runs;   // every run's bandwidth, in round order
+  std::map<size_t, std::vector<double>> lat_runs;  // every run's latency, in round order
 };
+
+// Round k's own ratio for each k (this plugin's run k against the other's run k, which ran beside
+// it), then their median and range: best-of-each alone can pair runs from different speeds of a
+// shared host and hides how far the rounds disagree.
+std::string per_round(const std::vector<double>& mine, const std::vector<double>& theirs) {
+  std::vector<double> r;
+  std::string out = "per round";
+  char b[64];
+  for (size_t k = 0; k < mine.size() && k < theirs.size(); ++k) {
+    if (theirs[k] <= 0) continue;
+    r.push_back(mine[k] / theirs[k]);
+    std::snprintf(b, sizeof(b), " %.3f", r.back());
+    out += b;
+  }
+  if (r.empty()) return "no round ran both";
+  std::sort(r.begin(), r.end());
+  const size_t n = r.size();
+  const double median = n % 2 ? r[n / 2] : (r[n / 2 - 1] + r[n / 2]) / 2;
+  std::snprintf(b, sizeof(b), "; median %.3f, range %.3f-%.3f", median, r.front(), r.back());
+  return out + b;
+}
 
 std::string load_average() {
   char buf[128] = {};
@@ -799,10 +823,12 @@ void run_plugin(const Options& o, const std::string& path, const std::string& ca
       const bool first = res->bw.count(size) == 0;
       const Row run{gbps, std::stod(w[4]) / msgs, std::stod(w[5]) / msgs, recv_cpu[size] / msgs, gbps};
       keep_best(&res->bw[size], run, first);
+      res->bw_runs[size].push_back(gbps);
     }
     if (w[0] == "lat" && w.size() == 3) {
       const size_t size = std::stoull(w[1]);
       const double us = std::stod(w[2]);
+      res->lat_runs[size].push_back(us);
       auto it = res->lat.find(size);
       if (it == res->lat.end()) res->lat[size] = Latency{us, us};
       else it->second = Latency{std::min(it->second.us, us), std::max(it->second.worst_us, us)};
@@ -941,6 +967,11 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     }
     std::printf("\n");
   }
+  if (c && o.repeat > 1)
+    for (size_t size : o.sizes)
+      if (p.bw_runs.count(size) && c->bw_runs.count(size))
+        std::printf("# %12s bandwidth %s\n", fmt_size(size).c_str(),
+                    per_round(p.bw_runs.at(size), c->bw_runs.at(size)).c_str());
   if (engine) {
     auto it = p.bw.find(o.engine_size);
     std::printf("# engine write_imm %zu B x %d: %.3f GB/s (sprd %.1f%%), cpu %.0f ns/msg, proc %.0f ns/msg",
@@ -973,21 +1004,41 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     }
     std::printf("\n");
   }
+  if (c && o.repeat > 1)
+    for (size_t size : o.lat_sizes)
+      if (p.lat_runs.count(size) && c->lat_runs.count(size))
+        std::printf("# %12s latency %s\n", fmt_size(size).c_str(),
+                    per_round(p.lat_runs.at(size), c->lat_runs.at(size)).c_str());
   std::fflush(stdout);
+}
+
+// A run list as a JSON array ("runs": every run's value in round order).
+std::string json_runs(const std::map<size_t, std::vector<double>>& runs, size_t size) {
+  std::string out = "[";
+  char b[32];
+  auto it = runs.find(size);
+  if (it != runs.end())
+    for (size_t k = 0; k < it->second.size(); ++k) {
+      std::snprintf(b, sizeof(b), "%s%.4f", k ? "," : "", it->second[k]);
+      out += b;
+    }
+  return out + "]";
 }
 
 void print_json(const std::string& caller, const PluginResult& r, const char* role, bool* first) {
   for (auto& [size, row] : r.bw) {
     std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"bw\",\"size\":%zu,"
-                "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f,"
+                "\"runs\":%s}",
                 *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, row.gbps, row.worst_gbps,
-                row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns);
+                row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns, json_runs(r.bw_runs, size).c_str());
     *first = false;
   }
   for (auto& [size, l] : r.lat) {
     std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"lat\",\"size\":%zu,"
-                "\"us\":%.3f,\"worst_us\":%.3f}",
-                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, l.us, l.worst_us);
+                "\"us\":%.3f,\"worst_us\":%.3f,\"runs\":%s}",
+                *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, l.us, l.worst_us,
+                json_runs(r.lat_runs, size).c_str());
     *first = false;
   }
 }
@@ -1023,8 +1074,12 @@ int main(int argc, char** argv) {
     PluginResult p, c;
     Row engine;
     for (int r = 0; r < o.repeat; ++r) {
+      // The two plugins take turns going first (round 0: --plugin first), so neither always runs
+      // right after the other's or the engine's run.
+      const bool compare_first = !o.compare.empty() && r % 2 == 1;
+      if (compare_first) run_plugin(o, o.compare, caller, &c);
       run_plugin(o, o.plugin, caller, &p);
-      if (!o.compare.empty()) run_plugin(o, o.compare, caller, &c);
+      if (!o.compare.empty() && !compare_first) run_plugin(o, o.compare, caller, &c);
       if (o.engine) keep_best(&engine, engine_sender(o, Caller{caller == "yield"}), r == 0);
     }
     if (o.json) {
