@@ -936,7 +936,7 @@ std::string fmt_size(size_t s) {
 }
 
 void print_tables(const Options& o, const std::string& caller, const PluginResult& p, const PluginResult* c,
-                  const Row* engine) {
+                  const Row* engine, const std::vector<double>& engine_runs) {
   std::printf("\n# caller %s, pass %s: bandwidth, %d in flight on each of %d channel(s) (sender isend/test, "
               "receiver irecv/test); sprd = (best - worst) / best over the runs; cpu = the proxy thread's CPU "
               "per message, proc = the sending process's\n",
@@ -979,6 +979,9 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
                 engine->send_cpu_ns, engine->send_proc_ns);
     if (it != p.bw.end()) std::printf("; %s / engine = %.3f", p.name.c_str(), it->second.gbps / engine->gbps);
     std::printf("\n");
+    if (it != p.bw.end() && o.repeat > 1)
+      std::printf("# %12s plugin / engine %s\n", fmt_size(o.engine_size).c_str(),
+                  per_round(p.bw_runs.at(o.engine_size), engine_runs).c_str());
   }
   if (o.lat_sizes.empty()) {  // --lat-sizes "": bandwidth only
     std::fflush(stdout);
@@ -1073,6 +1076,7 @@ int main(int argc, char** argv) {
   for (const std::string& caller : o.callers) {
     PluginResult p, c;
     Row engine;
+    std::vector<double> engine_runs;  // every round's engine row, beside that round's plugin run
     for (int r = 0; r < o.repeat; ++r) {
       // The two plugins take turns going first (round 0: --plugin first), so neither always runs
       // right after the other's or the engine's run.
@@ -1080,20 +1084,25 @@ int main(int argc, char** argv) {
       if (compare_first) run_plugin(o, o.compare, caller, &c);
       run_plugin(o, o.plugin, caller, &p);
       if (!o.compare.empty() && !compare_first) run_plugin(o, o.compare, caller, &c);
-      if (o.engine) keep_best(&engine, engine_sender(o, Caller{caller == "yield"}), r == 0);
+      if (o.engine) {
+        const Row run = engine_sender(o, Caller{caller == "yield"});
+        engine_runs.push_back(run.gbps);
+        keep_best(&engine, run, r == 0);
+      }
     }
     if (o.json) {
       print_json(caller, p, "plugin", &first);
       if (!o.compare.empty()) print_json(caller, c, "compare", &first);
       if (o.engine) {
         std::printf("%s{\"caller\":\"%s\",\"plugin\":\"engine\",\"test\":\"bw\",\"size\":%zu,"
-                    "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f}",
+                    "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f,\"runs\":%s}",
                     first ? "" : ",", caller.c_str(), o.engine_size, engine.gbps, engine.worst_gbps,
-                    engine.send_cpu_ns, engine.send_proc_ns);
+                    engine.send_cpu_ns, engine.send_proc_ns,
+                    json_runs({{o.engine_size, engine_runs}}, o.engine_size).c_str());
         first = false;
       }
     } else {
-      print_tables(o, caller, p, o.compare.empty() ? nullptr : &c, o.engine ? &engine : nullptr);
+      print_tables(o, caller, p, o.compare.empty() ? nullptr : &c, o.engine ? &engine : nullptr, engine_runs);
       std::printf("# load average after caller %s: %s\n", caller.c_str(), load_average().c_str());
     }
   }
