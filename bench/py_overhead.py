@@ -187,9 +187,10 @@ def best(rows):
 
 
 def rotated(whos, i):
-    """Round i's order: the rows rotated by i, so each row runs first, second, ... in turn. A row run
-    in the same place every round measured that place too (the torch MoE row, always third, trailed
-    the numpy row by 9-84 us, and not when run alone)."""
+    """Round i's order: the rows rotated by i, so each row runs first, second, ... in turn, and no
+    row's figures carry the cost of one place in the round (right after another row's processes,
+    say). Stop 46 put the torch MoE row's gap down to its place (always third); with rotation the
+    gap stayed (bench/README.md)."""
     i %= len(whos)
     return list(whos[i:]) + list(whos[:i])
 

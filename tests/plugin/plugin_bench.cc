@@ -12,9 +12,10 @@
 // receives. With --compare the two plugins run alternately, --repeat times each, taking turns to
 // go first; the best run per row is kept and the spread over the runs printed beside it, and under
 // each table every round's own ratio (the two runs side by side) with their median (the host is
-// shared; the load average is printed before and after). The bandwidth loop makes one plugin call per pass per
-// comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free, or else
-// test the oldest one; --pass all posts every free slot and tests every request on each pass.
+// shared; the load average is printed before and after). The bandwidth loop makes one plugin call
+// per pass per comm, as NCCL's proxy does (--pass nccl): post the next request if its slot is free,
+// or else test the oldest one; --pass all posts every free slot and tests every request on each
+// pass.
 // --channels N connects N send/receive comm pairs between the two sides, as NCCL opens one per
 // channel, and the pass goes over all of them (NCCL's proxy steps every channel's op in one loop):
 // a row's messages are dealt round the channels, each with its own window.
@@ -1015,16 +1016,14 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
   std::fflush(stdout);
 }
 
-// A run list as a JSON array ("runs": every run's value in round order).
-std::string json_runs(const std::map<size_t, std::vector<double>>& runs, size_t size) {
+// Every run's value in round order, as a JSON array (the rows' "runs").
+std::string json_runs(const std::vector<double>& runs) {
   std::string out = "[";
   char b[32];
-  auto it = runs.find(size);
-  if (it != runs.end())
-    for (size_t k = 0; k < it->second.size(); ++k) {
-      std::snprintf(b, sizeof(b), "%s%.4f", k ? "," : "", it->second[k]);
-      out += b;
-    }
+  for (size_t k = 0; k < runs.size(); ++k) {
+    std::snprintf(b, sizeof(b), "%s%.4f", k ? "," : "", runs[k]);
+    out += b;
+  }
   return out + "]";
 }
 
@@ -1034,14 +1033,14 @@ void print_json(const std::string& caller, const PluginResult& r, const char* ro
                 "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"recv_cpu_ns\":%.0f,\"proc_ns\":%.0f,"
                 "\"runs\":%s}",
                 *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, row.gbps, row.worst_gbps,
-                row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns, json_runs(r.bw_runs, size).c_str());
+                row.send_cpu_ns, row.recv_cpu_ns, row.send_proc_ns, json_runs(r.bw_runs.at(size)).c_str());
     *first = false;
   }
   for (auto& [size, l] : r.lat) {
     std::printf("%s{\"caller\":\"%s\",\"plugin\":\"%s\",\"name\":\"%s\",\"test\":\"lat\",\"size\":%zu,"
                 "\"us\":%.3f,\"worst_us\":%.3f,\"runs\":%s}",
                 *first ? "" : ",", caller.c_str(), role, r.name.c_str(), size, l.us, l.worst_us,
-                json_runs(r.lat_runs, size).c_str());
+                json_runs(r.lat_runs.at(size)).c_str());
     *first = false;
   }
 }
@@ -1098,7 +1097,7 @@ int main(int argc, char** argv) {
                     "\"GBps\":%.4f,\"worst_GBps\":%.4f,\"cpu_ns\":%.0f,\"proc_ns\":%.0f,\"runs\":%s}",
                     first ? "" : ",", caller.c_str(), o.engine_size, engine.gbps, engine.worst_gbps,
                     engine.send_cpu_ns, engine.send_proc_ns,
-                    json_runs({{o.engine_size, engine_runs}}, o.engine_size).c_str());
+                    json_runs(engine_runs).c_str());
         first = false;
       }
     } else {
