@@ -1011,7 +1011,7 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
   if (c && o.repeat > 1)
     for (size_t size : o.lat_sizes)
       if (p.lat_runs.count(size) && c->lat_runs.count(size))
-        std::printf("# %12s latency %s\n", fmt_size(size).c_str(),
+        std::printf("# %12s latency %s (a time ratio: below 1 is faster)\n", fmt_size(size).c_str(),
                     per_round(p.lat_runs.at(size), c->lat_runs.at(size)).c_str());
   std::fflush(stdout);
 }
