@@ -989,8 +989,9 @@ void print_tables(const Options& o, const std::string& caller, const PluginResul
     return;
   }
   std::printf("# caller %s: ping-pong latency (half a round trip, %d receive(s) kept posted on each side%s; "
-              "sprd = (worst - best) / best)\n", caller.c_str(), o.lat_depth,
-              o.lat_recv ? (", each of " + fmt_size(o.lat_recv) + " bytes").c_str() : "");
+              "sprd = (worst - best) / best%s)\n", caller.c_str(), o.lat_depth,
+              o.lat_recv ? (", each of " + fmt_size(o.lat_recv) + " bytes").c_str() : "",
+              c ? "; ratio = this plugin's time / the other's, below 1 faster" : "");
   std::printf("#%11s %7s %9s %6s", "size(B)", "count", "lat(us)", "sprd%");
   if (c) std::printf(" | %9s %6s | %6s", "cmp(us)", "sprd%", "ratio");
   std::printf("\n");
