@@ -406,8 +406,9 @@ def cpp_ep(ep_bench, cfg, world):
     return {"d": r["dispatch_p50_us"], "c": r["combine_p50_us"], "verified": r["verified"]}
 
 
-def ep_overhead(build, providers, repeat, world, shape, pythons=("python",)):
-    """dispatch+combine through Python against ep-bench (C++), same shape, same provider, one run."""
+def ep_overhead(build, providers, repeat, world, shape, pythons):
+    """dispatch+combine through Python (the rows in pythons: "python" with numpy arrays, "py-torch" with
+    torch tensors) against ep-bench (C++), same shape, same provider, one run."""
     import ponte
     ep_bench = os.path.join(build, "bench", "ep-bench")
     if not hasattr(ponte, "EpBuffer") or not os.access(ep_bench, os.X_OK):

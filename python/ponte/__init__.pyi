@@ -7,7 +7,8 @@ import numpy as np
 BytesLike = Union[bytes, bytearray, memoryview]
 Pages = Union[Sequence[int], np.ndarray]
 # numpy arrays, bytearray, memoryview, or a contiguous CPU torch.Tensor (not a lazily negated or
-# conjugated view: call .resolve_neg() / .resolve_conj() first)
+# conjugated view: call .resolve_neg() / .resolve_conj() first). Memory a call writes (out, recv_x,
+# recv_count, recv) must not require grad while autograd records: the write is outside autograd.
 Memory = Any
 
 class Code(IntEnum):

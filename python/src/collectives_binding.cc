@@ -392,7 +392,8 @@ void bind_collectives(py::module_& m) {
       "MoE expert-parallel dispatch and combine over a Communicator (collective: every rank creates it and "
       "calls dispatch/combine in the same order). E experts, L = E / W per rank (expert e on rank e // L). "
       "x, y, out: numpy arrays or CPU torch tensors, float32 or bfloat16 (torch.bfloat16, or numpy uint16 "
-      "holding bf16 bits); torch in, torch out.")
+      "holding bf16 bits); torch in, torch out. A tensor the call writes (out, recv_x) must not require grad "
+      "while autograd records (torch.no_grad()): the write is outside autograd.")
       .def(py::init([](const CommPtr& comm, py::handle num_experts, py::handle hidden, py::handle max_tokens,
                        py::handle topk, const std::string& dtype) {
              auto s = std::make_shared<EpState>();

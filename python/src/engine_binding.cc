@@ -852,7 +852,7 @@ void bind_engine(pyb::module_& m) {
         s->live("register");
         auto r = std::make_shared<RegionState>();
         r->eng = s;
-        r->mem.acquire(buf, "buf", /*writable=*/true);
+        r->mem.acquire_registered(buf, "buf");
         if (r->mem.size() == 0) raise_value("buf: empty (0 bytes); nothing to register");
         Result<MemoryRegion> mr = Status(Code::kInternal, "not registered");
         {

@@ -165,6 +165,8 @@ struct TorchDType {
   PyObject* dtype = nullptr;
   char name[24] = {};
   size_t itemsize = 0;
+  bool negatable = false;     // may_be_negated(name), decided once
+  bool conjugatable = false;  // may_be_conjugated(name)
 };
 // Whether a tensor of this dtype can be a lazily negated view (torch's neg bit: a float or complex
 // tensor, e.g. the imaginary part of a conjugate) or a lazily conjugated one (complex): its memory
@@ -175,6 +177,27 @@ bool may_be_negated(const char* dtype) {
 }
 std::array<TorchDType, 32> g_torch_dtypes;  // more dtypes than torch has; beyond it, read each time
 size_t g_torch_dtype_count = 0;
+
+// torch.is_grad_enabled() (torch is loaded: a tensor was seen); its function looked up once.
+bool torch_grad_enabled() {
+  static PyObject* fn = nullptr;  // kept for the process's life
+  if (!fn) {
+    static PyObject* const n_torch = interned("torch");
+    PyObject* torch = PyImport_GetModule(n_torch);
+    if (!torch) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "torch is not loaded");
+      throw pyb::error_already_set();
+    }
+    fn = PyObject_GetAttrString(torch, "is_grad_enabled");
+    Py_DECREF(torch);
+    if (!fn) throw pyb::error_already_set();
+  }
+  PyObject* r = PyObject_CallNoArgs(fn);
+  if (!r) throw pyb::error_already_set();
+  const bool on = r == Py_True;
+  Py_DECREF(r);
+  return on;
+}
 
 }  // namespace
 
@@ -226,10 +249,10 @@ static std::string format_dtype(const char* fmt, size_t itemsize) {
   }
 }
 
-void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool c_order) {
+void HostMemory::acquire_checked(pyb::handle obj, const char* name, bool writable, bool c_order, bool refuse_grad) {
   release();
   if (obj.is_none()) raise_type("%s must be a numpy array, bytearray or CPU torch tensor, not None", name);
-  if (is_torch_tensor(obj)) return acquire_torch(obj, name);
+  if (is_torch_tensor(obj)) return acquire_torch(obj, name, refuse_grad);
   if (!PyObject_CheckBuffer(obj.ptr()) || PyUnicode_Check(obj.ptr()))
     raise_type("%s must be a numpy array, bytearray or CPU torch tensor (an object with the buffer protocol), not %s",
                name, type_name(obj));
@@ -261,10 +284,11 @@ void HostMemory::acquire(pyb::handle obj, const char* name, bool writable, bool 
 }
 
 // A CPU tensor, read through five attribute reads and calls (is_cpu, is_contiguous, dtype, shape,
-// data_ptr; and is_neg / is_conj for a float or complex dtype), with names interned and dtypes
-// remembered: torch's str(dtype), element_size() and device are taken only for a dtype not seen
-// before or on the way to an error, and numel() never (the product of the shape).
-void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
+// data_ptr; and is_neg / is_conj for a float or complex dtype, requires_grad for one written in
+// the call), with names interned and dtypes remembered with what they allow: torch's str(dtype),
+// element_size() and device are taken only for a dtype not seen before or on the way to an error,
+// and numel() never (the product of the shape).
+void HostMemory::acquire_torch(pyb::handle obj, const char* name, bool refuse_grad) {
   static PyObject* const n_is_cpu = interned("is_cpu");
   static PyObject* const n_dtype = interned("dtype");
   static PyObject* const n_shape = interned("shape");
@@ -291,28 +315,43 @@ void HostMemory::acquire_torch(pyb::handle obj, const char* name) {
   const TorchDType* known = nullptr;
   for (size_t i = 0; i < g_torch_dtype_count; i++)
     if (g_torch_dtypes[i].dtype == dt.ptr()) known = &g_torch_dtypes[i];
+  bool negatable, conjugatable;
   if (known) {
     dtype_ = known->name;
     itemsize_ = known->itemsize;
+    negatable = known->negatable;
+    conjugatable = known->conjugatable;
   } else {
     dtype_ = pyb::str(dt);
     if (dtype_.rfind("torch.", 0) == 0) dtype_ = dtype_.substr(6);
     static PyObject* const n_element_size = interned("element_size");
     itemsize_ = attr(n_element_size, true).cast<size_t>();
+    negatable = may_be_negated(dtype_.c_str());
+    conjugatable = may_be_conjugated(dtype_.c_str());
     if (g_torch_dtype_count < g_torch_dtypes.size() && dtype_.size() < sizeof(TorchDType::name)) {
       // Filled, then counted (the GIL is held throughout: no Python code runs in between).
       TorchDType& t = g_torch_dtypes[g_torch_dtype_count];
       std::memcpy(t.name, dtype_.c_str(), dtype_.size() + 1);
       t.itemsize = itemsize_;
+      t.negatable = negatable;
+      t.conjugatable = conjugatable;
       t.dtype = dt.release().ptr();  // the reference is kept
       g_torch_dtype_count++;
     }
   }
   static PyObject* const n_is_neg = interned("is_neg");
   static PyObject* const n_is_conj = interned("is_conj");
-  if (may_be_negated(dtype_.c_str()) && attr(n_is_neg, true).ptr() == Py_True)
+  if (negatable && attr(n_is_neg, true).ptr() == Py_True)
     raise_value("%s: the tensor is a negated view: its memory does not hold its values (call .resolve_neg())", name);
-  if (may_be_conjugated(dtype_.c_str()) && attr(n_is_conj, true).ptr() == Py_True)
+  if (refuse_grad) {
+    // Only a float tensor can require grad; torch.is_grad_enabled() is asked only for one that does.
+    static PyObject* const n_requires_grad = interned("requires_grad");
+    if (negatable && attr(n_requires_grad, false).ptr() == Py_True && torch_grad_enabled())
+      raise_value("%s: the tensor requires grad and autograd is recording; ponte writes its memory outside autograd, "
+                  "which would not see the change (pass a tensor that does not require grad, or call under "
+                  "torch.no_grad())", name);
+  }
+  if (conjugatable && attr(n_is_conj, true).ptr() == Py_True)
     raise_value("%s: the tensor is a conjugated view: its memory does not hold its values (call .resolve_conj())",
                 name);
   pyb::object shape = attr(n_shape, false);

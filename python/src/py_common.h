@@ -54,9 +54,18 @@ class HostMemory {
   HostMemory(const HostMemory&) = delete;
   HostMemory& operator=(const HostMemory&) = delete;
   ~HostMemory() { release(); }
-  // writable: the memory will be written (refuses read-only exports). c_order: rows must be
-  // C-contiguous (else any contiguous layout: the memory is taken as bytes).
-  void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false);
+  // writable: the memory will be written during the call (refuses read-only exports, and a torch
+  // tensor that requires grad while autograd records: torch refuses such an out= tensor too, since
+  // a write outside autograd would go unseen by it). c_order: rows must be C-contiguous (else any
+  // contiguous layout: the memory is taken as bytes).
+  void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false) {
+    acquire_checked(obj, name, writable, c_order, /*refuse_grad=*/writable);
+  }
+  // Memory registered for peers to write later (Engine.register): writable, and a tensor that
+  // requires grad is taken (a model's parameters, updated in place under torch.no_grad()).
+  void acquire_registered(pyb::handle obj, const char* name) {
+    acquire_checked(obj, name, /*writable=*/true, /*c_order=*/false, /*refuse_grad=*/false);
+  }
   // The same for memory used only during one call (the collectives' arrays): a plain numpy array of
   // a numeric dtype is read from its fields, without a buffer export (the costly part of taking an
   // array: bench/README.md, py_overhead), and is held by a reference, which makes numpy refuse to
@@ -91,7 +100,8 @@ class HostMemory {
   std::vector<size_t> more_;
   size_t ndim_ = 0;
   void push_dim(size_t d);
-  void acquire_torch(pyb::handle obj, const char* name);
+  void acquire_checked(pyb::handle obj, const char* name, bool writable, bool c_order, bool refuse_grad);
+  void acquire_torch(pyb::handle obj, const char* name, bool refuse_grad);
 };
 
 // The C++ side of a constructed pybind11 instance of ti's class (or a subclass), read through

@@ -143,6 +143,20 @@ def test_torch_tensors_in_an_epbuffer():
             ep.dispatch(torch.zeros(4, 8).to_sparse(), idx)
         with pytest.raises(ValueError, match="x: the tensor is a negated view"):
             ep.dispatch(torch._neg_view(x), idx)  # its memory holds x, its values are -x
+        # A tensor written in the call that requires grad: refused while autograd records (torch refuses
+        # such an out= tensor too), taken under torch.no_grad(); a tensor only read may require grad.
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        out = torch.zeros(4, 8, requires_grad=True)
+        with pytest.raises(ValueError, match="out: the tensor requires grad and autograd is recording"):
+            ep.combine(recv_x, torch.ones(4, 2), h, out=out)
+        with pytest.raises(ValueError, match="recv_x: the tensor requires grad and autograd is recording"):
+            ep.dispatch(x, idx, recv_x=recv_x.clone().requires_grad_())
+        assert torch.count_nonzero(out) == 0  # nothing was written
+        with torch.no_grad():
+            ep.combine(recv_x, torch.ones(4, 2), h, out=out)
+        assert torch.equal(out.detach(), expect)
+        recv_x, recv_count, h = ep.dispatch(x, idx, recv_x=torch.zeros_like(recv_x, requires_grad=False))
+        assert torch.equal(ep.combine(recv_x, torch.ones(4, 2, requires_grad=True), h), expect)
         # Each dtype named right, the first time (read from torch) and the second (remembered), and
         # the buffer still works after every refusal.
         for _ in range(2):

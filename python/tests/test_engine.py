@@ -212,6 +212,10 @@ def test_torch_tensors_register_and_move(link):
         eng.register(torch._neg_view(torch.ones(8)))
     with eng.register(torch.ones(8, dtype=torch.complex64).conj().resolve_conj()) as r:
         assert r.nbytes == 64
+    # A parameter that requires grad is registered (peers write it later: a weight update, applied
+    # under torch.no_grad()); only memory written during a call refuses it.
+    with eng.register(torch.nn.Parameter(torch.ones(8))) as r:
+        assert r.nbytes == 32
 
 
 def test_striped_writes_over_two_nics(provider):
