@@ -104,6 +104,42 @@ Status post_record(SendComm* c, SendRequest* r) {
   return st;
 }
 
+// isend / irecv on a comm that can no longer move data (the pair broke, here or at the other end,
+// or the other end closed): the request is handed out failed, and test() reports why, as NCCL's
+// own transports report a connection's failure (net_ib: the write fails at test()). NCCL abandons
+// an aborting comm's requests either way; a caller still posting while the other rank aborts
+// (aws-ofi-nccl's functional test inflight_close: one rank deregisters and closes while the other
+// posts 32 sends) is not stopped mid-loop by an error about the other rank's abort. With no request
+// free (32 handed out and none tested), the error itself: a NULL request would be posted again
+// forever. why OK (the other end asked to stop, and its CLOSED or BROKEN is not here yet): no
+// request, the caller posts again.
+Status failed_send(SendComm* c, const Status& why, void** request) {
+  if (why.ok()) return why;
+  if (c->free_count == 0) return why;
+  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
+  r->error.store(static_cast<uint8_t>(why.code()), std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->size = 0;
+  r->record_unsubmitted = false;
+  --c->free_count;
+  r->in_use = true;
+  *request = r;
+  return Status::Ok();
+}
+Status failed_recv(RecvComm* c, const Status& why, void** request) {
+  if (why.ok()) return why;
+  RecvRequest* r = &c->reqs[c->next % kMaxRequests];
+  if (r->in_use) return why;
+  r->error.store(static_cast<uint8_t>(why.code()), std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->number = c->next;
+  r->n = 0;
+  r->in_use = true;
+  ++c->next;
+  *request = r;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
@@ -115,7 +151,8 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   Engine& e = *d->engine;
   if (e.peer_dead(d->group, c->peer))
     return Status(Code::kPeerDead, "isend: the receiving peer is dead or unreachable");
-  PONTE_RETURN_IF_ERROR(refusal(c));
+  if (Status why = refusal(c); !why.ok()) [[unlikely]]
+    return failed_send(c, why, request);
 
   const uint32_t cts_value = imm_value(false, c->comm_id, c->head);
   if (c->head_n < 0) {  // wait for the receiver's CTS for request `head`
@@ -183,7 +220,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   if (len > 0 && !copy) {
     const uint32_t data_imm = whole ? r->record_imm : imm_value(false, c->remote_comm_id, c->head);
     LocalSlice src{&m->mr, reinterpret_cast<uintptr_t>(data) - m->start, len};
-    if (!start_op(c, r)) return refusal(c);
+    if (!start_op(c, r)) return failed_send(c, refusal(c), request);
     hold(r, m);
     Status st = e.write_imm(d->group, c->peer, src, r->dst, c->elems[i].offset, data_imm, Notify{&held_done, r});
     if (!st.ok()) {
@@ -229,7 +266,8 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   Engine& e = *d->engine;
   if (e.peer_dead(d->group, c->peer))
     return Status(Code::kPeerDead, "irecv: the sending peer is dead or unreachable");
-  PONTE_RETURN_IF_ERROR(refusal(c));
+  if (Status why = refusal(c); !why.ok()) [[unlikely]]
+    return failed_recv(c, why, request);
   const uint64_t number = c->next;
   const size_t slot = number % kMaxRequests;
   RecvRequest* r = &c->reqs[slot];
@@ -274,7 +312,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     encode_blank_record(static_cast<uint32_t>(number),
                         c->records.ptr + (inl ? inline_slot_offset(number) : record_offset(number, 0)));
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
-  if (!start_op(c, r)) return refusal(c);
+  if (!start_op(c, r)) return failed_recv(c, refusal(c), request);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
   // Behind: a small isend that follows in the same pass goes on the wire first (NCCL's proxy posts
   // the next receive just before a send; at depth 1, 8 B ping-pong half round trip against

@@ -224,6 +224,17 @@ inline NcclResult wait_request(const Net& net, void* req, int* sizes,
   return kInternalError;  // the harness's own deadline: counts as a hang
 }
 
+// Whether a post on a comm the other end aborted was refused without being written: isend failed,
+// or it handed out a request already failed (the plugin reports a broken comm at test(), as NCCL's
+// own transports do) whose first test() fails. A request still in flight at its first test() was
+// written.
+inline bool refused_at_once(const Net& net, NcclResult posted, void* req) {
+  if (posted != kSuccess) return true;
+  if (!req) return false;
+  int done = 0;
+  return net->test(req, &done, nullptr) != kSuccess;
+}
+
 // Calls isend until it returns a request (the receiver has posted), an error or the deadline.
 inline NcclResult post_send(const Net& net, void* comm, void* data, size_t size, int tag,
                             void* mh, void** req) {

@@ -588,6 +588,79 @@ TEST_F(PluginTest, DeregisterAndCloseWithSendsQueuedFromFourThreads) {
   close_pair(net(), &q);
 }
 
+// aws-ofi-nccl's functional test inflight_close, in one process: the receiving end aborts (its
+// posted receives' buffers deregistered, its comm closed) while the sending end still posts. Each
+// isend then hands out a request that test() fails at once: an error from isend would stop a caller
+// mid-loop for the other end's abort, a NULL request forever would hang it, and a request that
+// moved data would write into deregistered memory. Likewise an irecv once the sending end closed.
+TEST_F(PluginTest, PostsAfterTheOtherEndAbortedFailAtTest) {
+  constexpr int kBuffers = 4;
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p, /*keep_listen=*/true));
+  std::vector<uint8_t*> rbuf(kBuffers);
+  std::vector<void*> rmh(kBuffers);
+  for (int i = 0; i < kBuffers; ++i) {
+    rbuf[i] = static_cast<uint8_t*>(std::aligned_alloc(4096, kMiB));
+    ASSERT_OK(net()->reg_mr(p.recv, rbuf[i], kMiB, kPtrHost, &rmh[i]));
+    void* data[1] = {rbuf[i]};
+    size_t cap[1] = {kMiB};
+    int tags[1] = {i};
+    void* mhs[1] = {rmh[i]};
+    void* req = nullptr;
+    ASSERT_OK(post_recv(net(), p.recv, 1, data, cap, tags, mhs, &req));
+  }
+  // deregMr returns once the sending end answered that it writes nothing more there.
+  for (int i = 0; i < kBuffers; ++i) {
+    EXPECT_OK(net()->dereg_mr(p.recv, rmh[i]));
+    std::free(rbuf[i]);
+  }
+  EXPECT_OK(net()->close_recv(p.recv));
+  p.recv = nullptr;
+  {
+    Buffer src(net(), p.send, kMiB);
+    for (int i = 0; i < 2 * kBuffers; ++i) {
+      void* req = nullptr;
+      ASSERT_EQ(net()->isend(p.send, src.data(), kMiB, i % kBuffers, src.mh(), nullptr, &req), kSuccess) << "isend " << i;
+      ASSERT_NE(req, nullptr) << "isend " << i << ": no request";
+      int done = 0;
+      EXPECT_NE(net()->test(req, &done, nullptr), kSuccess) << "isend " << i << ": its request did not fail at once";
+    }
+  }
+  // The receiving side of another pair: a receive posted, the sending end closed; the receive fails
+  // once the close is heard, and the receives posted after it fail at their first test().
+  Pair q;
+  ASSERT_OK(connect_pair(net(), 0, 0, &q));
+  {
+    Buffer dst(net(), q.recv, kMiB);
+    void* data[1] = {dst.data()};
+    size_t cap[1] = {kMiB};
+    int tags[1] = {0};
+    void* mhs[1] = {dst.mh()};
+    void* first = nullptr;
+    ASSERT_OK(post_recv(net(), q.recv, 1, data, cap, tags, mhs, &first));
+    EXPECT_OK(net()->close_send(q.send));
+    q.send = nullptr;
+    int sizes[1] = {0};
+    const NcclResult r = wait_request(net(), first, sizes, 20s);
+    EXPECT_NE(r, kSuccess);
+    EXPECT_NE(r, kInternalError) << "the receive did not end within 20 s of the sender's close";
+    for (int i = 0; i < kBuffers; ++i) {
+      void* req = nullptr;
+      ASSERT_EQ(net()->irecv(q.recv, 1, data, cap, tags, mhs, nullptr, &req), kSuccess) << "irecv " << i;
+      ASSERT_NE(req, nullptr) << "irecv " << i << ": no request";
+      int done = 0;
+      EXPECT_NE(net()->test(req, &done, nullptr), kSuccess) << "irecv " << i << ": its request did not fail at once";
+    }
+  }
+  close_pair(net(), &q);
+  close_pair(net(), &p);
+  // The device still makes working connections.
+  Pair w;
+  ASSERT_OK(connect_pair(net(), 0, 0, &w));
+  transfer(w, kMiB + 5, kMiB + 5, 43);
+  close_pair(net(), &w);
+}
+
 // NCCL's alltoall and PXN open thousands of connections on large jobs: 4096 comms (2048 pairs)
 // open at once on one device, data through some of them. The immediate table used to cap a device
 // at 800 comm ids (issue 10, item 8).
@@ -1212,7 +1285,8 @@ TEST(PluginProcesses, LostAcceptIsSentAgain) {
 // CTS. A write into them would hit deregistered memory and break the connection that every comm
 // of the two devices shares (rxm drops it; an RC QP goes to error). Now the receiver's end tells
 // this end first and waits for its answer: our sends on that comm are refused, never written, and
-// the neighbour comm B carries verified data in both directions afterwards.
+// the neighbour comm B carries verified data in both directions afterwards. (Refused: isend fails, or
+// hands out a request whose first test() fails: refused_at_once.)
 void abort_beside_a_neighbour(const char* mode) {
   set_test_environment();
   Net net;
@@ -1238,9 +1312,10 @@ void abort_beside_a_neighbour(const char* mode) {
   const auto deadline = Clock::now() + 10s;
   while (r == kSuccess && !req && Clock::now() < deadline)
     r = net->isend(comm[0], src->data(), kMiB, 0, src->mh(), nullptr, &req);
-  EXPECT_NE(r, kSuccess) << "a send on the aborted comm " << (req ? "was written into the peer's "
-                            "deregistered receive buffer" : "neither failed nor started: it waits forever");
-  if (req) {  // written anyway (the failure above): let it end before the buffer goes
+  const bool refused = refused_at_once(net, r, req);
+  EXPECT_TRUE(refused) << "a send on the aborted comm " << (req ? "was written into the peer's "
+                          "deregistered receive buffer" : "neither failed nor started: it waits forever");
+  if (req && !refused) {  // written anyway (the failure above): let it end before the buffer goes
     int got = 0;
     wait_request(net, req, &got, 20s);
   }
@@ -1523,7 +1598,7 @@ int peer_main(int argc, char** argv) {
       const auto deadline = Clock::now() + 10s;
       while (r == kSuccess && !req && Clock::now() < deadline)
         r = net->isend(send, src.data(), kMiB, 0, src.mh(), nullptr, &req);
-      if (r == kSuccess)
+      if (!refused_at_once(net, r, req))
         return fail(req ? "a send on the aborted comm was written" : "a send on the aborted comm never failed");
     }
     if (!log_record().contains("could not answer a close or failure notice yet"))
