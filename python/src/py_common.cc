@@ -344,7 +344,8 @@ void HostMemory::acquire_torch(pyb::handle obj, const char* name, bool refuse_gr
   if (negatable && attr(n_is_neg, true).ptr() == Py_True)
     raise_value("%s: the tensor is a negated view: its memory does not hold its values (call .resolve_neg())", name);
   if (refuse_grad) {
-    // Only a float tensor can require grad; torch.is_grad_enabled() is asked only for one that does.
+    // Only a float or complex tensor can require grad; torch.is_grad_enabled() is asked only for one
+    // that does.
     static PyObject* const n_requires_grad = interned("requires_grad");
     if (negatable && attr(n_requires_grad, false).ptr() == Py_True && torch_grad_enabled())
       raise_value("%s: the tensor requires grad and autograd is recording; ponte writes its memory outside autograd, "
