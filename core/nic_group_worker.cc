@@ -193,7 +193,14 @@ bool NicGroup::progress() {
 // One pass of the data path on a polling thread, under the token: posts what is submitted (where
 // pollers may post) and, with reap, reaps completions and immediates and runs their callbacks.
 bool NicGroup::poller_pass(bool reap) {
-  if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed) || !take_token()) return false;
+  if (stop_.load(std::memory_order_relaxed) || wedged_.load(std::memory_order_relaxed)) return false;
+  if (!take_token()) {
+    // Another thread is mid-pass (a second poller, or a worker that lost the CPU mid-pass): it
+    // moves our data too. A poller that spins on (NCCL's proxy threads, aws-ofi-nccl's tests:
+    // four per rank) would take the CPU it needs, so give it up once here.
+    if (reap) std::this_thread::yield();
+    return false;
+  }
   bool did = false;
   try {
     if (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_acquire)) {
