@@ -215,9 +215,10 @@ class Engine {
   // sockets, liveness and timeouts stay with the worker, which backs off while a poller is active
   // and takes over again when the polling stops. Never blocks or allocates; false when it did
   // nothing (the worker is running, or there was nothing to do). When another thread is mid-pass
-  // it yields the CPU once (sched_yield) before returning false: that thread moves this one's data. A thread that called it within
-  // the last PONTE_POLLER_HOLD_US (2 ms) skips the worker's wake-up when it submits (its next call
-  // starts the work, or stop_polling hands it to the worker); other submissions wake the worker.
+  // it yields the CPU once (sched_yield) before returning false: that thread moves this one's
+  // data. A thread that called it within the last PONTE_POLLER_HOLD_US (2 ms) skips the worker's
+  // wake-up when it submits (its next call starts the work, or stop_polling hands it to the
+  // worker); other submissions wake the worker.
   // On shm it only reaps: a post there can block for good on a stopped peer's lock, so the worker
   // makes them.
   bool progress(int group);
