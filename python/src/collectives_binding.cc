@@ -393,7 +393,8 @@ void bind_collectives(py::module_& m) {
       "calls dispatch/combine in the same order). E experts, L = E / W per rank (expert e on rank e // L). "
       "x, y, out: numpy arrays or CPU torch tensors, float32 or bfloat16 (torch.bfloat16, or numpy uint16 "
       "holding bf16 bits); torch in, torch out. A tensor the call writes (out, recv_x) must not require grad "
-      "while autograd records (torch.no_grad()): the write is outside autograd.")
+      "while autograd records (torch.no_grad()): the write is outside autograd. Its version counter goes up, "
+      "as with torch's in-place ops: a backward through a value the write replaced raises.")
       .def(py::init([](const CommPtr& comm, py::handle num_experts, py::handle hidden, py::handle max_tokens,
                        py::handle topk, const std::string& dtype) {
              auto s = std::make_shared<EpState>();

@@ -199,6 +199,23 @@ bool torch_grad_enabled() {
   return on;
 }
 
+// A tensor this call writes: its version counter goes up, as with torch's own in-place ops, so
+// that autograd notices when it had saved the tensor for a backward pass (backward then raises
+// instead of using the overwritten values). tensor.set_(tensor) does that and changes nothing else:
+// same storage, offset, sizes and strides (a view keeps its base; the counter is shared with it).
+// Taken before the write: the counter only has to differ from what autograd saved. A tensor with
+// no counter to bump (an inference tensor outside torch.inference_mode(), where torch refuses
+// in-place updates) is written without one.
+void bump_version(PyObject* tensor) {
+  static PyObject* const n_set = interned("set_");
+  PyObject* r = PyObject_CallMethodOneArg(tensor, n_set, tensor);
+  if (r) {
+    Py_DECREF(r);
+  } else {
+    PyErr_Clear();
+  }
+}
+
 }  // namespace
 
 bool is_torch_tensor(pyb::handle obj) {
@@ -284,8 +301,8 @@ void HostMemory::acquire_checked(pyb::handle obj, const char* name, bool writabl
 }
 
 // A CPU tensor, read through five attribute reads and calls (is_cpu, is_contiguous, dtype, shape,
-// data_ptr; and is_neg / is_conj for a float or complex dtype, requires_grad for one written in
-// the call), with names interned and dtypes remembered with what they allow: torch's str(dtype),
+// data_ptr; and is_neg / is_conj for a float or complex dtype, requires_grad and set_ (the
+// version counter: bump_version) for one written in the call), with names interned and dtypes remembered with what they allow: torch's str(dtype),
 // element_size() and device are taken only for a dtype not seen before or on the way to an error,
 // and numel() never (the product of the shape).
 void HostMemory::acquire_torch(pyb::handle obj, const char* name, bool refuse_grad) {
@@ -376,6 +393,7 @@ void HostMemory::acquire_torch(pyb::handle obj, const char* name, bool refuse_gr
   if (ndim_ == 0) push_dim(1);  // a 0-d tensor holds one element
   void* p = PyLong_AsVoidPtr(attr(n_data_ptr, true).ptr());
   if (!p && PyErr_Occurred()) throw pyb::error_already_set();
+  if (refuse_grad) bump_version(o);
   data_ = p;
   size_ = n * itemsize_;
   torch_ = true;

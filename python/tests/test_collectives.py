@@ -157,6 +157,34 @@ def test_torch_tensors_in_an_epbuffer():
         assert torch.equal(out.detach(), expect)
         recv_x, recv_count, h = ep.dispatch(x, idx, recv_x=torch.zeros_like(recv_x, requires_grad=False))
         assert torch.equal(ep.combine(recv_x, torch.ones(4, 2, requires_grad=True), h), expect)
+        # A tensor a call writes has its version counter bumped, as by torch's in-place ops: autograd
+        # then refuses a backward pass through values the write replaced, instead of using them.
+        s = torch.ones((), requires_grad=True)
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        y = (recv_x * s).sum()  # saves recv_x, for the gradient of s
+        out = torch.zeros(4, 8)
+        versions = (recv_x._version, recv_count._version, out._version)
+        assert ep.combine(recv_x, torch.ones(4, 2), h, out=out) is out and out._version > versions[2]
+        again, count_again, h = ep.dispatch(x, idx, recv_x=recv_x, recv_count=recv_count)
+        assert again is recv_x and count_again is recv_count
+        assert recv_x._version > versions[0] and recv_count._version > versions[1]
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+        base = torch.zeros(2, 4, 8)  # a view keeps its base, and shares its counter
+        view = base[1]
+        before = base._version
+        assert torch.equal(ep.combine(recv_x, torch.ones(4, 2), h, out=view), expect)
+        assert view._base is base and base._version > before and torch.equal(base[1], expect)
+        with torch.no_grad():  # a parameter updated in place, as an optimizer step does
+            param = torch.nn.Parameter(torch.zeros(4, 8))
+            before = param._version
+            recv_x, recv_count, h = ep.dispatch(x, idx)
+            ep.combine(recv_x, torch.ones(4, 2), h, out=param)
+        assert param._version > before and param.requires_grad and torch.equal(param.detach(), expect)
+        with torch.inference_mode():  # an inference tensor has no counter: written all the same
+            frozen = torch.zeros(4, 8)
+        recv_x, recv_count, h = ep.dispatch(x, idx)
+        assert torch.equal(ep.combine(recv_x, torch.ones(4, 2), h, out=frozen), expect)
         # Each dtype named right, the first time (read from torch) and the second (remembered), and
         # the buffer still works after every refusal.
         for _ in range(2):
