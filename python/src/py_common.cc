@@ -301,10 +301,11 @@ void HostMemory::acquire_checked(pyb::handle obj, const char* name, bool writabl
 }
 
 // A CPU tensor, read through five attribute reads and calls (is_cpu, is_contiguous, dtype, shape,
-// data_ptr; and is_neg / is_conj for a float or complex dtype, requires_grad and set_ (the
-// version counter: bump_version) for one written in the call), with names interned and dtypes remembered with what they allow: torch's str(dtype),
-// element_size() and device are taken only for a dtype not seen before or on the way to an error,
-// and numel() never (the product of the shape).
+// data_ptr; and is_neg / is_conj for a float or complex dtype; requires_grad, and set_ for the
+// version counter (bump_version), for one written in the call), with names interned and dtypes
+// remembered with what they allow: torch's str(dtype), element_size() and device are taken only
+// for a dtype not seen before or on the way to an error, and numel() never (the product of the
+// shape).
 void HostMemory::acquire_torch(pyb::handle obj, const char* name, bool refuse_grad) {
   static PyObject* const n_is_cpu = interned("is_cpu");
   static PyObject* const n_dtype = interned("dtype");
