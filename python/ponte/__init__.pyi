@@ -10,8 +10,8 @@ Pages = Union[Sequence[int], np.ndarray]
 # conjugated view: call .resolve_neg() / .resolve_conj() first). Memory a call writes (out, recv_x,
 # recv_count, recv) must not require grad while autograd records: the write is outside autograd.
 # The call bumps such a tensor's version counter, as torch's in-place ops do, so a backward pass
-# through values it overwrote raises instead of using them. Registered memory that peers write later
-# is not tracked that way.
+# through values it overwrote raises instead of using them. Registered memory (Engine.register:
+# what peers write, and what Engine.read fills) is not tracked that way.
 Memory = Any
 
 class Code(IntEnum):
