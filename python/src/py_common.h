@@ -56,7 +56,8 @@ class HostMemory {
   ~HostMemory() { release(); }
   // writable: the memory will be written during the call (refuses read-only exports, and a torch
   // tensor that requires grad while autograd records: torch refuses such an out= tensor too, since
-  // a write outside autograd would go unseen by it). c_order: rows must be C-contiguous (else any
+  // a write outside autograd would go unseen by it; bumps a torch tensor's version counter, as an
+  // in-place op does: bump_version in py_common.cc). c_order: rows must be C-contiguous (else any
   // contiguous layout: the memory is taken as bytes).
   void acquire(pyb::handle obj, const char* name, bool writable, bool c_order = false) {
     acquire_checked(obj, name, writable, c_order, /*refuse_grad=*/writable);
