@@ -313,9 +313,8 @@ struct Operation {
       poll_until_done(*eng, op->cell, timeout ? Clock::now() + *timeout : Clock::time_point::max());
     }
     if (!wait_cell(op->cell, timeout)) {
-      double s = std::chrono::duration<double>(*timeout).count();
-      PyErr_Format(PyExc_TimeoutError, "%s: not done after %.3f s (still in flight)", what, s);
-      throw pyb::error_already_set();
+      raise_timeout("%s: not done after %.3f s (still in flight)", what,
+                    std::chrono::duration<double>(*timeout).count());
     }
     if (!op->status.ok()) raise_error(op->status, what);
   }
@@ -777,9 +776,8 @@ void bind_engine(pyb::module_& m) {
           std::optional<std::chrono::nanoseconds> left;
           if (timeout) left = std::max(std::chrono::nanoseconds(0), std::chrono::nanoseconds(end - Clock::now()));
           if (!wait_cell(o->op->cell, left)) {
-            PyErr_Format(PyExc_TimeoutError, "wait_all: %s not done after %.3f s (still in flight)", o->what,
-                         std::chrono::duration<double>(*timeout).count());
-            throw py::error_already_set();
+            raise_timeout("wait_all: %s not done after %.3f s (still in flight)", o->what,
+                          std::chrono::duration<double>(*timeout).count());
           }
           if (!failed && !o->op->status.ok()) failed = o;
         }

@@ -74,6 +74,15 @@ void raise_type(const char* fmt, ...) {
   throw pyb::type_error(s);
 }
 
+void raise_timeout(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = vformat(fmt, ap);
+  va_end(ap);
+  PyErr_SetString(PyExc_TimeoutError, s.c_str());
+  throw pyb::error_already_set();
+}
+
 // ---- arguments
 
 // obj as a Python int (TypeError unless it is an integer, bools excluded): its value when it fits a

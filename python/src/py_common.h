@@ -29,6 +29,8 @@ void init_errors(pyb::module_& m);
 [[noreturn]] void raise_refusal(const Status& st, const char* arg);
 [[noreturn]] void raise_value(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 [[noreturn]] void raise_type(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// TimeoutError, formatted as printf does (PyErr_Format has no %f: it printed "%.3f" as is).
+[[noreturn]] void raise_timeout(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // Argument conversion: TypeError when obj is not an integer, ValueError when out of range.
 size_t arg_size(pyb::handle obj, const char* name);

@@ -171,8 +171,10 @@ def test_wait_releases_the_gil(link):
 def test_wait_timeout_leaves_the_operation_in_flight(link):
     eng, peer, pid, reg, src, remote, them = link
     exp = eng.expect_imm(800, 1, timeout_s=20)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"expect_imm: not done after 0\.050 s \(still in flight\)"):
         exp.wait(0.05)
+    with pytest.raises(TimeoutError, match=r"wait_all: expect_imm not done after 0\.020 s"):
+        ponte.wait_all([exp], timeout_s=0.02)
     assert not exp.done()
     peer.call("imm", them, 800)
     exp.wait(20)
@@ -375,3 +377,4 @@ def test_idle_wake_moves_writes_into_an_engine_that_waits_for_nothing_tcp_rxm(mo
         eng.close()
     finally:
         target.close()
+
