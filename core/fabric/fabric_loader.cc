@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "core/log.h"
+#include "core/signal_guard.h"
 
 namespace ponte::fabric {
 namespace {
@@ -31,6 +32,9 @@ bool bind_symbol(void* handle, const char* name, Fn* out, std::string* why) {
 
 // Opens one candidate; nullptr and *why filled when it is not a usable libfabric.
 std::unique_ptr<FabricLibrary> try_open(const std::string& path, std::string* why) {
+  // Over the dlopen and a dlclose below: the handlers a dependency installs are given back
+  // (core/signal_guard.h: Debian's libfabric links libinfinipath, whose handlers exit(1)).
+  SignalGuard keep_handlers(path);
   dlerror();
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {

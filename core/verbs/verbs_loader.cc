@@ -8,6 +8,8 @@
 #include <memory>
 #include <mutex>
 
+#include "core/signal_guard.h"
+
 // Keep the promise of this file: the calls below must go through the table, never the library.
 #undef ibv_get_device_list
 #undef ibv_query_port
@@ -41,6 +43,7 @@ bool bind(void* handle, const char* name, Fn*& out, std::string* missing) {
 }
 
 Result<std::unique_ptr<VerbsApi>> load(const std::string& path) {
+  SignalGuard keep_handlers(path);  // core/signal_guard.h
   dlerror();
   // The handle is never closed: provider plugins loaded by libibverbs keep global state, and
   // ibv objects handed to the engine must stay valid for the whole process.

@@ -1,6 +1,9 @@
 """ponte.Engine from Python: every operation between two processes over tcp;ofi_rxm and shm on
 loopback, verified byte for byte by the receiving process."""
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -378,3 +381,43 @@ def test_idle_wake_moves_writes_into_an_engine_that_waits_for_nothing_tcp_rxm(mo
     finally:
         target.close()
 
+
+# Ctrl-C during a wait raises KeyboardInterrupt, and a handler the program installed before the
+# engine (SIGTERM here) still runs. Loading libfabric used to end the process instead: Debian's
+# links PSM's libinfinipath, whose constructor takes SIGINT, SIGTERM and four more with handlers
+# that call exit(1) (core/signal_guard.h). On shm, libfabric's own handler (installed with the
+# endpoint) cleans up its files and hands the signal on to the program's.
+CTRL_C_PROGRAM = r"""
+import os, signal, sys, threading, time
+import ponte
+seen = []
+signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+eng = ponte.Engine(provider=sys.argv[1])
+op = eng.expect_imm(77, 1, timeout_s=30)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    op.wait(20)
+    print("wait returned")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt after %.1f s" % (time.monotonic() - t0))
+os.kill(os.getpid(), signal.SIGTERM)
+for _ in range(100):
+    if seen:
+        break
+    time.sleep(0.01)
+print("SIGTERM handler ran:", seen == [signal.SIGTERM])
+eng.close()
+print("closed")
+"""
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_programs_handlers_stay(provider):
+    r = subprocess.run([sys.executable, "-c", CTRL_C_PROGRAM, provider], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, "exit %d: %s" % (r.returncode, out)
+    assert "KeyboardInterrupt after" in r.stdout, out
+    assert float(r.stdout.split("KeyboardInterrupt after ")[1].split()[0]) < 5, out
+    assert "SIGTERM handler ran: True" in r.stdout, out
+    assert "closed" in r.stdout, out

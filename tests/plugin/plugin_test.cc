@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <csignal>
 #include <atomic>
 #include <map>
 #include <sstream>
@@ -882,6 +883,36 @@ TEST(PluginLifecycle, InitFinalizeReinitAndFinalizeAcceptsAFailedInit) {
     transfer_on(a, p, 1000, 1000, 5, 0);
     close_pair(a, &p);
   }  // both finalized: the engine closes; the next round probes again
+}
+
+// NCCL loads the plugin into the application's process (PyTorch, Python): the plugin and the
+// libfabric it loads leave that process's signal handlers as they were. Debian's libfabric links
+// PSM's libinfinipath, whose constructor takes these six with handlers that call exit(1): Ctrl-C
+// ended a PyTorch job with status 1 and no KeyboardInterrupt (core/signal_guard.h).
+std::atomic<int> g_signals_caught{0};
+void count_signal(int) { g_signals_caught.fetch_add(1); }
+
+TEST(PluginSignals, InitLeavesTheApplicationsSignalHandlers) {
+  const int six[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT};
+  struct sigaction saved[6], mine = {};
+  mine.sa_handler = count_signal;
+  sigemptyset(&mine.sa_mask);
+  for (int i = 0; i < 6; i++) ASSERT_EQ(sigaction(six[i], &mine, &saved[i]), 0);
+  {
+    ASSERT_NE(lib().v11, nullptr) << lib().error;
+    Net net;  // init: the engine's backend loads libfabric (or libibverbs) now
+    ASSERT_OK(net.init_result);
+    ASSERT_GT(net.devices(), 0);
+    for (int s : six) {
+      struct sigaction now;
+      ASSERT_EQ(sigaction(s, nullptr, &now), 0);
+      EXPECT_EQ(reinterpret_cast<void*>(now.sa_handler), reinterpret_cast<void*>(count_signal)) << sigabbrev_np(s);
+    }
+  }
+  raise(SIGINT);  // would have ended the process with status 1
+  for (int i = 0; i < 1000 && g_signals_caught.load() == 0; i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(g_signals_caught.load(), 1);
+  for (int i = 0; i < 6; i++) sigaction(six[i], &saved[i], nullptr);
 }
 
 // ---- other processes --------------------------------------------------------------------------
