@@ -47,6 +47,7 @@ Result<std::unique_ptr<VerbsBackend>> VerbsBackend::open(const Config& cfg) {
   PONTE_ASSIGN_OR_RETURN(const VerbsApi* api, load_verbs_api(cfg.verbs_lib));
   PONTE_ASSIGN_OR_RETURN(HcaFilter filter, HcaFilter::parse(cfg.ib_hca));
   std::unique_ptr<VerbsBackend> b(new VerbsBackend(*api, cfg));
+  prepare_fork(*api);  // before any registration (verbs_loader.h), as NCCL's IB transport does
 
   int count = 0;
   errno = 0;

@@ -3,11 +3,14 @@
 
 #include <dlfcn.h>
 
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
+#include "core/log.h"
 #include "core/signal_guard.h"
 
 // Keep the promise of this file: the calls below must go through the table, never the library.
@@ -77,16 +80,53 @@ Result<std::unique_ptr<VerbsApi>> load(const std::string& path) {
   bind(handle, "ibv_destroy_qp", api->destroy_qp, &missing);
   bind(handle, "ibv_query_qp", api->query_qp, &missing);
   bind(handle, "ibv_wc_status_str", api->wc_status_str, &missing);
+  bind(handle, "ibv_fork_init", api->fork_init, &missing);
   if (!missing.empty()) {
     return Status(Code::kUnavailable, "%s lacks %.60s", path.c_str(), missing.c_str());
   }
   // Optional entry points of newer rdma-core.
   bind(handle, "ibv_reg_mr_iova2", api->reg_mr_iova2, nullptr);
   bind(handle, "ibv_reg_dmabuf_mr", api->reg_dmabuf_mr, nullptr);
+  bind(handle, "ibv_is_fork_initialized", api->is_fork_initialized, nullptr);
   return api;
 }
 
 }  // namespace
+
+ForkSupport decide_fork(const VerbsApi& api) {
+  if (api.is_fork_initialized != nullptr && api.is_fork_initialized() == IBV_FORK_UNNEEDED)
+    return ForkSupport::kUnneeded;
+  const int rc = api.fork_init();
+  if (rc == 0) return ForkSupport::kEnabled;
+  return rc == EINVAL ? ForkSupport::kTooLate : ForkSupport::kUnavailable;
+}
+
+ForkSupport prepare_fork(const VerbsApi& api) {
+  static std::mutex mu;
+  static std::optional<ForkSupport> decided;
+  std::lock_guard<std::mutex> lock(mu);
+  if (decided) return *decided;
+  decided = decide_fork(api);
+  switch (*decided) {
+    case ForkSupport::kUnneeded:
+      PONTE_LOG_DEBUG("verbs: the kernel copies registered pages on fork(); no ibv_fork_init needed");
+      break;
+    case ForkSupport::kEnabled:
+      PONTE_LOG_DEBUG("verbs: ibv_fork_init: registrations are MADV_DONTFORK (a kernel without copy-on-fork)");
+      break;
+    case ForkSupport::kTooLate:
+      PONTE_LOG_WARN("verbs: ibv_fork_init came too late: this process registered RDMA memory before ponte "
+                     "started (another library), and its kernel does not copy registered pages on fork(): "
+                     "a fork() may lose RDMA data in this process. RDMAV_FORK_SAFE=1 in the environment "
+                     "makes every registration fork-safe");
+      break;
+    case ForkSupport::kUnavailable:
+      PONTE_LOG_WARN("verbs: ibv_fork_init failed (no MADV_DONTFORK?): a fork() may lose RDMA data in this "
+                     "process");
+      break;
+  }
+  return *decided;
+}
 
 Result<const VerbsApi*> load_verbs_api(const std::string& lib) {
   static std::mutex mu;

@@ -46,6 +46,9 @@ struct VerbsApi {
   int (*destroy_qp)(ibv_qp* qp) = nullptr;
   int (*query_qp)(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask, ibv_qp_init_attr* init_attr) = nullptr;
   const char* (*wc_status_str)(ibv_wc_status status) = nullptr;
+  int (*fork_init)() = nullptr;
+  // Optional (rdma-core >= 35): null when the library is older.
+  ibv_fork_status (*is_fork_initialized)() = nullptr;
 
   // ibv_query_port as verbs.h's inline wrapper does it: the provider's extended op when present,
   // else the export (the tail of the newer struct is zeroed). Returns 0 or an errno value.
@@ -53,6 +56,25 @@ struct VerbsApi {
   // "remote access error" etc.; never null.
   const char* status_str(ibv_wc_status status) const;
 };
+
+// fork() and registered memory. A child that shares a registered page makes the next write to it
+// in the parent copy the page: the parent moves to the copy while the NIC keeps reading and writing
+// the old one, which the child now holds, and RDMA data goes missing silently. Kernels from 5.12
+// copy pinned pages into the child instead (libibverbs then reports IBV_FORK_UNNEEDED). Elsewhere
+// (RHEL 8's 4.18, for one) ibv_fork_init() makes every registration MADV_DONTFORK, at one madvise
+// per registration, and must come before the process's first registration: NCCL's IB transport
+// calls it at init for the same reason (PyTorch forks DataLoader workers). What prepare_fork did:
+enum class ForkSupport {
+  kUnneeded,     // the kernel copies pinned pages on fork: nothing to do
+  kEnabled,      // ibv_fork_init() succeeded (or had been called): registrations are MADV_DONTFORK
+  kTooLate,      // memory was registered before (by another library): fork() is unsafe; warned
+  kUnavailable,  // ibv_fork_init() failed otherwise (no MADV_DONTFORK): warned
+};
+// Asks the kernel's answer through api (is_fork_initialized) and calls api.fork_init where needed.
+ForkSupport decide_fork(const VerbsApi& api);
+// decide_fork once per process (later calls return the first answer), logged; called by the verbs
+// backend before ponte's first registration.
+ForkSupport prepare_fork(const VerbsApi& api);
 
 // Loads lib once per process and path (lib empty: "libibverbs.so.1"); the table lives until exit.
 // kUnavailable names the library and dlerror() when it or a required symbol is missing (a failed

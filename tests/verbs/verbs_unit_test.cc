@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 
 #include "core/config.h"
 #include "core/nic.h"
+#include "core/verbs/verbs_backend.h"
 #include "core/verbs/verbs_device.h"
 #include "core/verbs/verbs_hca_filter.h"
 #include "core/verbs/verbs_loader.h"
@@ -425,6 +427,58 @@ TEST(VerbsConfig, DefaultsAndQpsPerConnection) {
   }
   unsetenv("PONTE_IB_QPS_PER_CONNECTION");
   static_assert(ConnectBlob::kMaxQps == 16, "PONTE_IB_QPS_PER_CONNECTION's range is 1..16");
+}
+
+
+// ------------------------------------------------------------------------------ fork()
+
+// decide_fork's four outcomes. A kernel without copy-on-fork (before 5.12) is not at hand here, so
+// libibverbs' two entry points are stand-ins that say what such a kernel would; the test below uses
+// the real library.
+int g_fork_init_calls = 0;
+int g_fork_init_result = 0;
+int counted_fork_init() {
+  g_fork_init_calls++;
+  return g_fork_init_result;
+}
+ibv_fork_status copy_on_fork() { return IBV_FORK_UNNEEDED; }
+ibv_fork_status no_copy_on_fork() { return IBV_FORK_DISABLED; }
+
+TEST(ForkSupport, OnlyAKernelWithoutCopyOnForkGetsIbvForkInit) {
+  VerbsApi api;
+  api.fork_init = counted_fork_init;
+  api.is_fork_initialized = copy_on_fork;
+  g_fork_init_calls = 0;
+  EXPECT_EQ(decide_fork(api), ForkSupport::kUnneeded);
+  EXPECT_EQ(g_fork_init_calls, 0) << "no madvise per registration where the kernel copies pinned pages";
+  api.is_fork_initialized = no_copy_on_fork;
+  g_fork_init_result = 0;
+  EXPECT_EQ(decide_fork(api), ForkSupport::kEnabled);
+  EXPECT_EQ(g_fork_init_calls, 1);
+  g_fork_init_result = EINVAL;  // libibverbs: a registration came first
+  EXPECT_EQ(decide_fork(api), ForkSupport::kTooLate);
+  g_fork_init_result = ENOSYS;  // no MADV_DONTFORK
+  EXPECT_EQ(decide_fork(api), ForkSupport::kUnavailable);
+  api.is_fork_initialized = nullptr;  // rdma-core before 35: no way to ask, so fork_init
+  g_fork_init_result = 0;
+  EXPECT_EQ(decide_fork(api), ForkSupport::kEnabled);
+  EXPECT_EQ(g_fork_init_calls, 4);
+}
+
+// The real libibverbs. This host's kernel has no RDMA support, so libibverbs cannot ask it about
+// copy-on-fork and reports fork support disabled until ibv_fork_init; in the SoftRoCE guest (6.1)
+// the kernel copies (IBV_FORK_UNNEEDED). Either way the process is fork-safe once the backend
+// prepared it, which it does before ibv_get_device_list, whatever that then finds.
+TEST(ForkSupport, TheBackendLeavesTheProcessForkSafe) {
+  auto api = load_verbs_api("");
+  ASSERT_TRUE(api.ok()) << api.status().message();
+  ASSERT_NE(api.value()->is_fork_initialized, nullptr) << "rdma-core 44 exports ibv_is_fork_initialized";
+  const ibv_fork_status before = api.value()->is_fork_initialized();
+  Config cfg;
+  auto backend = VerbsBackend::open(cfg);  // fails here (no RDMA devices), after preparing fork()
+  const ibv_fork_status after = api.value()->is_fork_initialized();
+  EXPECT_NE(after, IBV_FORK_DISABLED) << "before: " << before;
+  EXPECT_EQ(prepare_fork(*api.value()), after == IBV_FORK_UNNEEDED ? ForkSupport::kUnneeded : ForkSupport::kEnabled);
 }
 
 }  // namespace
