@@ -1,6 +1,8 @@
 // Per-GPU groups from topology/'s table (built only with hwloc; a stub answers otherwise).
 #include "core/topology_layout.h"
 
+#include <sched.h>
+
 #include "core/log.h"
 #include "core/remote_region.h"
 
@@ -28,6 +30,9 @@ Result<std::vector<GroupLayout>> gpu_layout(const std::vector<NicInfo>& devices,
     int j = devices[d].pci_bus_id.empty() ? -1 : topo::find_nic(r.table, devices[d].pci_bus_id);
     if (j >= 0) by_nic[static_cast<size_t>(j)].push_back(d);
   }
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  const bool have_mask = sched_getaffinity(0, sizeof(allowed), &allowed) == 0;
   std::vector<GroupLayout> out;
   for (const auto& g : r.table.gpus) {
     GroupLayout l;
@@ -36,7 +41,17 @@ Result<std::vector<GroupLayout>> gpu_layout(const std::vector<NicInfo>& devices,
     for (const auto& link : g.nics)
       for (size_t d : by_nic[static_cast<size_t>(link.nic)])
         if (l.devices.size() < static_cast<size_t>(kMaxNicsPerGroup)) l.devices.push_back(d);
-    if (!g.cpus.empty()) l.cores = {g.cpus.front()};
+    // The first of its cores that the calling thread may run on: a binding the application chose
+    // (taskset, numactl, a launcher's --cpu-bind) is kept, as NCCL keeps it for its own threads.
+    // None of them (the GPU's cores lie outside the binding): the worker keeps the caller's mask.
+    for (int c : g.cpus)
+      if (!have_mask || (c >= 0 && c < CPU_SETSIZE && CPU_ISSET(c, &allowed))) {
+        l.cores = {c};
+        break;
+      }
+    if (l.cores.empty() && !g.cpus.empty())
+      PONTE_LOG_INFO("GPU %s: its %zu cores (first %d) are outside this thread's CPU affinity: its worker is "
+                     "not pinned", g.pci.c_str(), g.cpus.size(), g.cpus.front());
     if (l.devices.empty())
       return Status(Code::kNotFound, "topology: no %s device matches a NIC of GPU %s", devices.empty() ? "backend" : devices[0].provider.c_str(),
                     g.pci.c_str());

@@ -13,7 +13,8 @@ namespace ponte {
 
 struct GroupLayout {
   std::vector<size_t> devices;  // backend device indexes, nearest first
-  std::vector<int> cores;       // the worker's cores (empty: not pinned)
+  std::vector<int> cores;       // the worker's cores (empty: not pinned): the first of the GPU's cores
+                                // that the calling thread's CPU affinity allows (none: empty)
   std::string gpu_pci;          // the GPU this group serves ("" for host memory)
   std::string rule;             // which placement rule chose the NICs ("switch", "numa", ...)
 };
