@@ -2,7 +2,12 @@
 // hands operations to the owning group's worker.
 #include "core/engine.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <random>
 
 #include "core/cuda_memory.h"
@@ -14,7 +19,18 @@
 
 namespace ponte {
 
+// fork(): the child has none of an engine's threads (workers, watchdog) and shares the parent's
+// sockets and provider state. There every call fails at once (no worker would ever end an
+// operation, and a poll could take bytes off the parent's connections), and the destructor leaves
+// everything as it is: joining threads that do not exist hung a child at its exit, and closing
+// the parent's endpoints could disturb its connections. Forks are counted in the child by a
+// pthread_atfork handler that the first engine installs (glibc removes it if ponte is unloaded).
+static std::atomic<uint64_t> g_forks{0};
+static void count_fork_in_child() { g_forks.fetch_add(1, std::memory_order_relaxed); }
+
 struct Engine::Impl {
+  uint64_t forks_at_create = g_forks.load(std::memory_order_relaxed);
+  pid_t creator = getpid();
   EngineOptions opts;
   std::unique_ptr<Backend> backend;
   std::vector<std::unique_ptr<NicGroup>> groups;
@@ -23,8 +39,17 @@ struct Engine::Impl {
   std::atomic<uint64_t> next_mr_id{1};
   std::vector<std::string> group_gpus;
 
+  // This process is a fork() child of the one that created the engine.
+  bool forked() const { return g_forks.load(std::memory_order_relaxed) != forks_at_create; }
+  // nullptr for an unknown index, and for every index in a fork() child.
   NicGroup* group(int g) const {
-    return (g >= 0 && g < static_cast<int>(groups.size())) ? groups[g].get() : nullptr;
+    return (g >= 0 && g < static_cast<int>(groups.size()) && !forked()) ? groups[g].get() : nullptr;
+  }
+  Status forked_error() const {
+    return Status(Code::kUnavailable,
+                  "this engine belongs to process %d: after fork() process %d cannot use it (its threads "
+                  "stayed in the parent); create a new engine here",
+                  static_cast<int>(creator), static_cast<int>(getpid()));
   }
 };
 
@@ -50,6 +75,10 @@ static std::vector<void*>& kept_for_good() {
 }
 
 Engine::~Engine() {
+  if (impl_->forked()) {  // the parent's: nothing here to stop or close (see g_forks)
+    kept_for_good().push_back(impl_.release());
+    return;
+  }
   for (auto& g : impl_->groups) g->stop();  // the watchdog still watches: a stuck shutdown is a wedge
   if (impl_->watchdog) impl_->watchdog->stop();
   bool keep_backend = false;
@@ -79,6 +108,8 @@ static Result<std::unique_ptr<Backend>> choose_backend(const Config& cfg) {
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
+  static std::once_flag fork_watch;
+  std::call_once(fork_watch, [] { pthread_atfork(nullptr, nullptr, count_fork_in_child); });
   std::unique_ptr<Engine> e(new Engine());
   Impl& im = *e->impl_;
   im.opts = std::move(opts);
@@ -151,6 +182,7 @@ std::vector<uint8_t> Engine::address(int group) const {
 }
 
 #define PONTE_GROUP_OR_RETURN(g, index)                                                   \
+  if (impl_->forked()) return impl_->forked_error();                                      \
   NicGroup* g = impl_->group(index);                                                      \
   if (!g) return Status(Code::kInvalidArgument, "no group %d (engine has %zu)", index, \
                         impl_->groups.size())

@@ -70,6 +70,10 @@ class Engine:
     idle_wake=True (PONTE_IDLE_WAKE=1): an idle engine's worker also wakes for data arriving, so
     that peers' writes into an engine that waits for nothing move at once on a provider that needs
     the target's progress (tcp;ofi_rxm), at some cost to small messages' latency there.
+
+    An engine belongs to the process that created it: in a fork() child (its threads stayed in the
+    parent) every call raises ponte.Error with Code.UNAVAILABLE, and closing it there leaves the
+    parent's engine alone. A child that needs RDMA creates its own.
     """
     def __init__(self, *, backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
                  stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...) -> None: ...

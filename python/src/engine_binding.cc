@@ -811,8 +811,8 @@ void bind_engine(pyb::module_& m) {
       "ponte's RDMA engine (one host-memory NIC group). Configured by the PONTE_* environment variables; "
       "keyword overrides: backend ('auto'|'fabric'|'verbs'), provider (libfabric provider, e.g. 'tcp;ofi_rxm', "
       "'shm'), nics, timeout_ms, stripe_min, spin_us, ctrl_addr, idle_wake (PONTE_IDLE_WAKE: an idle engine "
-      "wakes for data arriving; for an engine written to while it waits for nothing). Create engines after any "
-      "fork().")
+      "wakes for data arriving; for an engine written to while it waits for nothing). An engine belongs to the "
+      "process that created it: in a fork() child its calls raise ponte.Error (UNAVAILABLE); create one there.")
       .def(py::init([](py::kwargs kw) { return make_engine(kw); }))
       .def_property_readonly("backend", [](EngineState& s) { return std::string(backend_name(s.live("backend").backend())); },
                              "'fabric' or 'verbs'.")

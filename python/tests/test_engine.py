@@ -412,12 +412,71 @@ print("closed")
 """
 
 
-def test_ctrl_c_interrupts_a_wait_and_the_programs_handlers_stay(provider):
-    r = subprocess.run([sys.executable, "-c", CTRL_C_PROGRAM, provider], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ))
+def run_program(code, provider):
+    """Runs code in a fresh interpreter with the provider as argv[1]; returns (stdout, all output),
+    having checked that it exited 0."""
+    r = subprocess.run([sys.executable, "-c", code, provider], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ))
     out = r.stdout + r.stderr
     assert r.returncode == 0, "exit %d: %s" % (r.returncode, out)
-    assert "KeyboardInterrupt after" in r.stdout, out
-    assert float(r.stdout.split("KeyboardInterrupt after ")[1].split()[0]) < 5, out
-    assert "SIGTERM handler ran: True" in r.stdout, out
-    assert "closed" in r.stdout, out
+    return r.stdout, out
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_programs_handlers_stay(provider):
+    stdout, out = run_program(CTRL_C_PROGRAM, provider)
+    assert "KeyboardInterrupt after" in stdout, out
+    assert float(stdout.split("KeyboardInterrupt after ")[1].split()[0]) < 5, out
+    assert "SIGTERM handler ran: True" in stdout, out
+    assert "closed" in stdout, out
+
+
+# os.fork() with a live engine: the child has none of the engine's threads. Using the engine there
+# raises ponte.Error naming fork() at once, the child exits normally (the engine's finalizer hung
+# it), and the parent's engine and connection go on as before.
+FORK_PROGRAM = r"""
+import os, sys, time
+import numpy as np
+import ponte
+a = ponte.Engine(provider=sys.argv[1])
+b = ponte.Engine(provider=sys.argv[1])
+dst = np.zeros(4096, np.uint8)
+rb = b.register(dst)
+src = np.full(4096, 5, np.uint8)
+ra = a.register(src)
+peer = a.connect(b.address())
+a.write(peer, ra, 0, 4096, rb.descriptor(), 0).wait(20)
+for child_uses_it in (True, False):
+    pid = os.fork()
+    if pid == 0:
+        if child_uses_it:
+            try:
+                a.write(peer, ra, 0, 4096, rb.descriptor(), 0).wait(20)
+                print("child: the write went out", flush=True)
+            except ponte.Error as e:
+                print("child: refused:", e.code, "fork()" in e.message, flush=True)
+        sys.exit(0)  # a normal exit: finalizers run
+    for _ in range(1000):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("parent: the child hung at exit", flush=True)
+        sys.exit(1)
+    print("parent: child exited", status, flush=True)
+src[:] = 6
+op = b.expect_imm(31, 1)
+a.write(peer, ra, 0, 4096, rb.descriptor(), 0, imm=31).wait(20)
+op.wait(20)
+print("parent: engine works", bool((dst == 6).all()), flush=True)
+ra.close(); rb.close(); a.close(); b.close()
+"""
+
+
+def test_a_fork_child_cannot_use_the_parents_engine_and_exits(provider):
+    stdout, out = run_program(FORK_PROGRAM, provider)
+    assert "child: refused: Code.UNAVAILABLE True" in stdout, out
+    assert stdout.count("parent: child exited 0") == 2, out
+    assert "parent: engine works True" in stdout, out

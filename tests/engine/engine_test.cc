@@ -2,12 +2,14 @@
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -690,6 +692,50 @@ TEST_P(EngineTest, EachTrafficClassIsAPeerOfItsOwnAtBothEnds) {
   ASSERT_NO_FATAL_FAILURE(expect_write_each_way(engines, pairs[1], 57, "class 7"));
   EXPECT_EQ(engines[0]->peers(0).size(), 1u);
   EXPECT_EQ(engines[1]->peers(0).size(), 1u);
+}
+
+// fork() with a live engine (a Python program, a pre-forking server): the child has none of the
+// engine's threads. Every call there fails at once, naming fork(); the engine's destructor returns
+// (it joined worker threads the child does not have, and the child hung at its exit); and the
+// parent's engine and connection go on as before (the child closed none of the shared endpoints).
+TEST_P(EngineTest, AForkChildRefusesTheParentsEngineAndLeavesItWorking) {
+  start();
+  fill(src_, 4096, 5);
+  Flag before;
+  ASSERT_TRUE(eng_->write(0, ids_[0], LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, before.notify()).ok());
+  ASSERT_TRUE(before.wait(30s).ok()) << before.status().message();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // no gtest here: the exit status says what failed
+    int bad = 0;
+    Flag f;
+    Status st = eng_->write(0, ids_[0], LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, f.notify());
+    if (st.ok() || st.code() != Code::kUnavailable || std::strstr(st.message(), "fork()") == nullptr) bad |= 1;
+    if (eng_->progress(0) || eng_->peer_ready(0, ids_[0])) bad |= 2;
+    if (eng_->deregister(mr_).ok()) bad |= 4;
+    eng_.reset();
+    _exit(bad == 0 ? 0 : 10 + bad);
+  }
+  int status = 0;
+  pid_t got = 0;
+  for (int i = 0; i < 1000 && got == 0; i++) {
+    got = waitpid(child, &status, WNOHANG);
+    if (got == 0) std::this_thread::sleep_for(10ms);
+  }
+  if (got == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    FAIL() << "the child did not exit within 10 s (it destroyed the parent's engine)";
+  }
+  ASSERT_TRUE(WIFEXITED(status)) << "child status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10 + bits: 1 the write was not refused naming fork(), 2 progress or "
+                                       "peer_ready answered, 4 deregister succeeded";
+  fill(src_, 4096, 6);
+  Flag after;
+  ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, 77, after.notify()).ok());
+  EXPECT_EQ(peers_[0]->cmd("expectw 77 4096 1"), "ok");
+  ASSERT_TRUE(after.wait(30s).ok()) << after.status().message();
+  EXPECT_EQ(peers_[0]->cmd("check 0 4096 6 0"), "ok");
 }
 
 TEST_P(EngineTest, PeerKilledMidTransferFailsNotHangs) {

@@ -1,6 +1,7 @@
 // The NCCL plugin driven through its C ABI as NCCL's proxy thread drives it: dlopen'ed, v11 (and
 // once v8) tables, host memory, over the configured provider (tcp;ofi_rxm on loopback here).
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <csignal>
@@ -913,6 +914,33 @@ TEST(PluginSignals, InitLeavesTheApplicationsSignalHandlers) {
   for (int i = 0; i < 1000 && g_signals_caught.load() == 0; i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(g_signals_caught.load(), 1);
   for (int i = 0; i < 6; i++) sigaction(six[i], &saved[i], nullptr);
+}
+
+// A process that forks after NCCL set the plugin up (a pre-forking launcher, a data-loader worker
+// that ends with exit() rather than _exit()): the child's exit runs the plugin's exit teardown on
+// engines whose threads stayed in the parent; it returns at once, and the parent's comms still move
+// data (the child closed none of the shared endpoints).
+TEST_F(PluginTest, AForkChildExitsAtOnceAndTheParentsCommsStillWork) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 4096, 4096, 21);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) std::exit(0);  // atexit handlers run: the plugin's teardown among them
+  int status = 0;
+  pid_t got = 0;
+  for (int i = 0; i < 1000 && got == 0; i++) {
+    got = waitpid(child, &status, WNOHANG);
+    if (got == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (got == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    FAIL() << "the child's exit did not end within 10 s (the plugin's exit teardown)";
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  transfer(p, 1 << 20, 1 << 20, 22);
+  close_pair(net(), &p);
 }
 
 // ---- other processes --------------------------------------------------------------------------
