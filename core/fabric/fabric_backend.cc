@@ -7,6 +7,7 @@
 #include <rdma/fi_errno.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/fabric/fabric_endpoint.h"
@@ -94,8 +95,14 @@ Result<std::unique_ptr<FabricBackend>> FabricBackend::open(const Config& cfg) {
   int rc = want_hmem ? query(*lib, provider, /*hmem=*/true, &list) : -FI_ENODATA;
   if (rc == -FI_ENODATA) rc = query(*lib, provider, /*hmem=*/false, &list);
   if (rc != 0) {
-    return Status(Code::kUnavailable,
-                  "libfabric provider '%.24s' has no RDM endpoint with RMA + CQ data: %s",
+    // libfabric's own filter hides every provider it does not name (aws-ofi-nccl's users often
+    // export FI_PROVIDER=efa): say so, or the provider looks absent.
+    const char* filter = getenv("FI_PROVIDER");
+    if (filter != nullptr)
+      return Status(Code::kUnavailable,
+                    "libfabric offers no '%.24s' RDM endpoint with RMA + CQ data (%s); FI_PROVIDER=%.20s is set",
+                    provider.c_str(), lib->error_text(rc), filter);
+    return Status(Code::kUnavailable, "libfabric provider '%.24s' has no RDM endpoint with RMA + CQ data: %s",
                   provider.c_str(), lib->error_text(rc));
   }
   std::unique_ptr<FabricBackend> backend(new FabricBackend(*lib, cfg));

@@ -480,3 +480,20 @@ def test_a_fork_child_cannot_use_the_parents_engine_and_exits(provider):
     assert "child: refused: Code.UNAVAILABLE True" in stdout, out
     assert stdout.count("parent: child exited 0") == 2, out
     assert "parent: engine works True" in stdout, out
+
+
+# An FI_PROVIDER left in the environment (aws-ofi-nccl's users export FI_PROVIDER=efa) hides every
+# other provider from libfabric: the error says it is set, or the provider looks absent.
+def test_an_fi_provider_filter_is_named_when_the_provider_is_hidden_tcp_rxm():
+    code = """
+import sys, ponte
+try:
+    ponte.Engine(provider="tcp;ofi_rxm")
+    print("engine created")
+except ponte.Error as e:
+    print("refused:", e.code, e.message)
+"""
+    env = dict(os.environ, FI_PROVIDER="efa")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "refused: Code.UNAVAILABLE" in r.stdout and "FI_PROVIDER=efa is set" in r.stdout, r.stdout + r.stderr
