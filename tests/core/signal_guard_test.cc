@@ -93,8 +93,8 @@ TEST_F(SignalGuardTest, FabricLoaderGivesBackWhatALibraryTookAndClosedAgain) {
   set_handler(SIGINT, count_signal);
   set_handler(SIGTERM, count_signal);
   auto lib = fabric::load_fabric_library({PONTE_SIGNAL_TAKER_SO}, false);
-  ASSERT_FALSE(lib.ok());
-  EXPECT_NE(std::string(lib.status().message()).find("fi_getinfo"), std::string::npos) << lib.status().message();
+  ASSERT_FALSE(lib.ok());  // no fi_getinfo in it (the message names the path, cut to fit: not checked)
+  EXPECT_EQ(lib.status().code(), Code::kUnavailable) << lib.status().message();
   EXPECT_EQ(handler_of(SIGINT), reinterpret_cast<void*>(count_signal));
   EXPECT_EQ(handler_of(SIGTERM), reinterpret_cast<void*>(count_signal));
   EXPECT_TRUE(raised_and_caught(SIGINT));
@@ -118,8 +118,8 @@ TEST_F(SignalGuardTest, LoadingLibfabricLeavesTheApplicationsHandlers) {
 TEST_F(SignalGuardTest, VerbsLoaderGivesBackWhatALibraryTook) {
   set_handler(SIGINT, count_signal);
   auto api = verbs::load_verbs_api(PONTE_SIGNAL_TAKER_SO);
-  ASSERT_FALSE(api.ok());
-  EXPECT_NE(std::string(api.status().message()).find("ibv_get_device_list"), std::string::npos) << api.status().message();
+  ASSERT_FALSE(api.ok());  // it lacks every ibv_ entry point
+  EXPECT_EQ(api.status().code(), Code::kUnavailable) << api.status().message();
   EXPECT_EQ(handler_of(SIGINT), reinterpret_cast<void*>(count_signal));
   EXPECT_TRUE(raised_and_caught(SIGINT));
 }
