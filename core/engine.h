@@ -88,6 +88,9 @@ class Engine {
   // kCancelled), counters still waiting end with
   // kCancelled, peers are told (they see their ops toward us end kPeerDead), registrations still
   // open are closed. Every callback has run when it returns. Submissions racing it get kCancelled.
+  // An engine belongs to the process that created it: in a fork() child (its threads stayed in
+  // the parent) every call fails with kUnavailable, and the destructor returns at once, leaving
+  // what the parent still uses untouched. A child creates its own engine.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
