@@ -2,7 +2,6 @@
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
 #include <dirent.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/group_address.h"
+#include "tests/common/child_exit.h"
 #include "tests/common/completion_counter.h"
 #include "tests/common/loopback.h"
 #include "tests/common/peer_process.h"
@@ -716,20 +716,10 @@ TEST_P(EngineTest, AForkChildRefusesTheParentsEngineAndLeavesItWorking) {
     eng_.reset();
     _exit(bad == 0 ? 0 : 10 + bad);
   }
-  int status = 0;
-  pid_t got = 0;
-  for (int i = 0; i < 1000 && got == 0; i++) {
-    got = waitpid(child, &status, WNOHANG);
-    if (got == 0) std::this_thread::sleep_for(10ms);
-  }
-  if (got == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-    FAIL() << "the child did not exit within 10 s (it destroyed the parent's engine)";
-  }
-  ASSERT_TRUE(WIFEXITED(status)) << "child status " << status;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "10 + bits: 1 the write was not refused naming fork(), 2 progress or "
-                                       "peer_ready answered, 4 deregister succeeded";
+  const int code = test::wait_child_exit(child, 10s);
+  ASSERT_NE(code, test::kChildHung) << "the child did not exit within 10 s (it destroyed the parent's engine)";
+  EXPECT_EQ(code, 0) << "10 + bits: 1 the write was not refused naming fork(), 2 progress or peer_ready "
+                        "answered, 4 deregister succeeded (-1: killed by a signal)";
   fill(src_, 4096, 6);
   Flag after;
   ASSERT_TRUE(eng_->write_imm(0, ids_[0], LocalSlice{&mr_, 0, 4096}, peers_[0]->region(), 0, 77, after.notify()).ok());

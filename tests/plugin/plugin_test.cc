@@ -1,15 +1,15 @@
 // The NCCL plugin driven through its C ABI as NCCL's proxy thread drives it: dlopen'ed, v11 (and
 // once v8) tables, host memory, over the configured provider (tcp;ofi_rxm on loopback here).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <csignal>
 #include <atomic>
+#include <csignal>
 #include <map>
 #include <sstream>
 
 #include "ponte_version.h"
+#include "tests/common/child_exit.h"
 #include "tests/plugin/harness.h"
 
 using namespace ponte::plugin_test;
@@ -927,18 +927,9 @@ TEST_F(PluginTest, AForkChildExitsAtOnceAndTheParentsCommsStillWork) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) std::exit(0);  // atexit handlers run: the plugin's teardown among them
-  int status = 0;
-  pid_t got = 0;
-  for (int i = 0; i < 1000 && got == 0; i++) {
-    got = waitpid(child, &status, WNOHANG);
-    if (got == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (got == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-    FAIL() << "the child's exit did not end within 10 s (the plugin's exit teardown)";
-  }
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  const int code = ponte::test::wait_child_exit(child, std::chrono::seconds(10));
+  ASSERT_NE(code, ponte::test::kChildHung) << "the child's exit did not end within 10 s (the plugin's exit teardown)";
+  EXPECT_EQ(code, 0) << "-1: killed by a signal";
   transfer(p, 1 << 20, 1 << 20, 22);
   close_pair(net(), &p);
 }
