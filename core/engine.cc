@@ -537,6 +537,22 @@ Status Engine::expect_imm(int group, uint32_t value, uint32_t count, PeerId from
   return g->submit(op);
 }
 
+namespace {
+void cancel_waiters(void* group) {
+  static_cast<NicGroup*>(group)->imm_table().fail_all(
+      Status(Code::kCancelled, "expect_imm: cancelled (the caller stopped waiting)"));
+}
+}  // namespace
+
+Status Engine::cancel_expectations(int group) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  Op op;  // behind every expectation submitted before it: the queue is in order
+  op.type = Op::kCall;
+  op.call = &cancel_waiters;
+  op.call_arg = g;
+  return g->submit(op);
+}
+
 bool Engine::progress(int group) {
   NicGroup* g = impl_->group(group);
   return g && g->progress();

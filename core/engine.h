@@ -205,6 +205,11 @@ class Engine {
   // expectation fails when that peer dies; it fails with kTimeout after timeout_ms (0: config).
   Status expect_imm(int group, uint32_t value, uint32_t count, PeerId from, Notify done,
                     uint32_t timeout_ms = 0);
+  // Ends every expect_imm still waiting in group now, with kCancelled, as its timeout would later:
+  // for a caller that stops waiting (Python's Ctrl-C). Immediates that arrive later are counted as
+  // usual; expectations submitted after this call are not affected. Asynchronous: the waiters' done
+  // fire from the worker, or from a polling thread's progress(), shortly after.
+  Status cancel_expectations(int group);
   // Poller view of the same counters, for a thread that polls (such as NCCL's proxy): how many
   // immediates carrying value have arrived and are not yet consumed, and consume n of them. Use
   // either this or expect_imm for a given value, not both. Thread-safe, lock-free.

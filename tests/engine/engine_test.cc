@@ -459,6 +459,29 @@ TEST_P(EngineTest, ConnectsToItself) {
   EXPECT_TRUE(eng.deregister(*mb).ok());
 }
 
+// cancel_expectations ends the expectations waiting at the call with kCancelled, well before their
+// timeout, and leaves the counters working: one submitted after it is met by the next immediate.
+TEST_P(EngineTest, CancelledExpectationsEndAtOnceAndLaterOnesStillCount) {
+  auto e = make_engine(GetParam(), 'A', 1, 60000);
+  ASSERT_TRUE(e.ok()) << e.status().message();
+  Engine& eng = **e;
+  auto self = eng.connect(0, eng.address(0));
+  ASSERT_TRUE(self.ok()) << self.status().message();
+  Flag a, b, later, sent;
+  ASSERT_TRUE(eng.expect_imm(0, 21, 1, kAnyPeer, a.notify()).ok());
+  ASSERT_TRUE(eng.expect_imm(0, 22, 3, *self, b.notify()).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(eng.cancel_expectations(0).ok());
+  ASSERT_TRUE(a.wait(10s).code() == Code::kCancelled) << a.status().message();
+  ASSERT_TRUE(b.wait(10s).code() == Code::kCancelled) << b.status().message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  ASSERT_TRUE(eng.expect_imm(0, 21, 1, kAnyPeer, later.notify()).ok());
+  ASSERT_TRUE(eng.imm(0, *self, 21, sent.notify()).ok());
+  ASSERT_TRUE(sent.wait(30s).ok()) << sent.status().message();
+  ASSERT_TRUE(later.wait(30s).ok()) << later.status().message();
+  EXPECT_EQ(eng.cancel_expectations(99).code(), Code::kInvalidArgument);
+}
+
 // A 4 KiB write each way between engines[0] (to its peer ids[0]) and engines[1] (ids[1]) lands,
 // verified; neither peer dies. The wait is the engine's verbs timeout and more: an RC write
 // whose packets are lost is retried, not failed, until then.
