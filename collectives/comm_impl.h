@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,7 +34,9 @@ class FlagSet {
     else refused(rank, st);
   }
   void refused(int rank, const Status& st);
-  Status wait(Communicator::Impl& c, const char* what);
+  // interruptible: c's interrupted hook may end the wait (every expectation of the group is
+  // cancelled, the writes are still waited for); teardown waits pass false.
+  Status wait(Communicator::Impl& c, const char* what, bool interruptible = true);
   size_t size() const { return used_; }
 
  private:
@@ -73,7 +76,11 @@ struct Communicator::Impl {
   uint64_t a2a_calls = 0;
   std::vector<uint64_t> p2p_sent, p2p_recvd;  // per rank
   uint32_t next_channel = 1;                  // EpBuffers take channels 1..14
-  Status failed;                              // sticky: a peer died or a wait timed out
+  Status failed;                              // sticky: a peer died, a wait timed out or was interrupted
+  bool (*interrupted)(void*) = nullptr;       // CommunicatorOptions::interrupted
+  void* interrupted_arg = nullptr;
+  bool was_interrupted = false;               // sticky: a wait was interrupted (failed says where)
+  std::chrono::steady_clock::time_point next_interrupt_check{};
 
   // Scratch of the calls (one thread drives a communicator), sized for the world at create, so
   // that barrier, send, recv and all_to_all_v of registered buffers allocate nothing: flag sets
@@ -88,6 +95,12 @@ struct Communicator::Impl {
   }
   uint8_t* ctrl_slot(Area a, uint32_t epoch, int r) { return ctrl + ctrl_offset(a, epoch, r); }
 
+  // Whether the interrupted hook asks to stop waiting: asks at most every kInterruptCheck, and
+  // answers true from then on (sticky). False without a hook.
+  static constexpr auto kInterruptCheck = std::chrono::milliseconds(100);
+  bool interrupt_requested();
+  // The status of a call that an interrupt ended (also remembered in failed).
+  Status interrupted_error(const char* what);
   // Formats an error about rank r (or the dead ranks, if r < 0) and remembers fatal ones.
   Status rank_error(int r, const Status& st, const char* what);
   // Every rank's bytes (at most kCtrlSlot - 8), over the engine. Collective.

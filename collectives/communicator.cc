@@ -37,21 +37,33 @@ void FlagSet::refused(int rank, const Status& st) {
   }
 }
 
-Status FlagSet::wait(Communicator::Impl& c, const char* what) {
+Status FlagSet::wait(Communicator::Impl& c, const char* what, bool interruptible) {
   // The waiting thread moves the data itself (Engine::progress, as NCCL's proxy does in test()):
   // the engine's worker then leaves it the data path instead of spinning beside it for the core,
   // and no completion needs a wake-up across threads. It yields after a pass that moved nothing;
   // after kPollWindow without progress it sleeps in growing steps (ranks may share cores, a
   // straggler may be computing), still polling between sleeps.
   constexpr auto kPollWindow = std::chrono::milliseconds(1);
+  // An interrupt (c.interrupted) cancels every expectation of the group: those flags fire with
+  // kCancelled at once, and the wait goes on for the rest (writes, which end by themselves), so
+  // that no flag is left for the engine to fire into a set that is reused or freed.
   Engine& eng = *c.engine;
   auto idle_since = std::chrono::steady_clock::now();
   int bad = -1;
   Status first;
   int first_rank = -1;
+  bool cancelled = false;
+  auto cancel = [&] {
+    cancelled = true;
+    Status st = eng.cancel_expectations(c.group);
+    if (!st.ok()) refused(-1, st);  // the engine is going down: its own errors end the flags
+  };
+  if (interruptible && c.was_interrupted && used_ > 0) cancel();  // a later wait of the same call
+  unsigned passes = 0;
   for (size_t i = 0; i < used_; i++) {
     unsigned idle = 0;
     while (!flags_[i].done()) {
+      if (interruptible && !cancelled && (++passes & 255u) == 0 && c.interrupt_requested()) cancel();
       if (eng.progress(c.group)) {
         idle = 0;
         continue;
@@ -84,11 +96,29 @@ Status FlagSet::wait(Communicator::Impl& c, const char* what) {
     first = refused;
     first_rank = refused_rank;
   }
+  if (cancelled && first.code() != Code::kPeerDead) return c.interrupted_error(what);
   if (first.ok()) return first;
   return c.rank_error(first_rank, first, what);
 }
 
 // ------------------------------------------------------------------------------------- Impl
+
+bool Communicator::Impl::interrupt_requested() {
+  if (was_interrupted) return true;
+  if (!interrupted) return false;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_interrupt_check) return false;
+  next_interrupt_check = now + kInterruptCheck;
+  was_interrupted = interrupted(interrupted_arg);
+  return was_interrupted;
+}
+
+Status Communicator::Impl::interrupted_error(const char* what) {
+  Status out(Code::kCancelled, "%s: interrupted; the ranks are out of step, this communicator can no longer be used",
+             what);
+  if (failed.ok()) failed = out;
+  return out;
+}
 
 Status Communicator::Impl::rank_error(int r, const Status& st, const char* what) {
   // Name the rank: the one the failed op concerned, else whichever peers the engine saw die.
@@ -229,6 +259,8 @@ Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, 
   im.world = world;
   im.group = opts.group;
   im.timeout_ms = opts.engine.config.timeout_ms;
+  im.interrupted = opts.interrupted;
+  im.interrupted_arg = opts.interrupted_arg;
   im.hello_peer = std::make_unique<std::atomic<uint32_t>[]>(static_cast<size_t>(world));
   for (int r = 0; r < world; r++) im.hello_peer[r].store(0, std::memory_order_relaxed);
   PONTE_ASSIGN_OR_RETURN(im.engine, Engine::create(opts.engine));
@@ -298,6 +330,10 @@ Result<std::unique_ptr<Communicator>> Communicator::create(int rank, int world, 
       if (std::chrono::steady_clock::now() > deadline) {
         hellos.wait(im, "Communicator hello").ok();
         return Status(Code::kTimeout, "Communicator: rank %d did not connect within %u ms", r, im.timeout_ms);
+      }
+      if (im.interrupt_requested()) {
+        hellos.wait(im, "Communicator hello").ok();
+        return im.interrupted_error("Communicator: waiting for the lower ranks to connect");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }

@@ -22,6 +22,12 @@ using AllGather = std::function<Status(std::span<const uint8_t> mine, std::vecto
 struct CommunicatorOptions {
   EngineOptions engine;  // the communicator's own engine; it uses group `group` of it
   int group = 0;
+  // Asked on the calling thread, about every 100 ms, while a call (create included) waits for
+  // other ranks; true ends the wait: the call fails with kCancelled, and so does every later call
+  // of the communicator (the ranks are no longer in step). Python's binding answers Ctrl-C here.
+  // nullptr: a call waits until the other ranks answer, die or time out (PONTE_TIMEOUT_MS).
+  bool (*interrupted)(void* arg) = nullptr;
+  void* interrupted_arg = nullptr;
 };
 
 // Memory registered with the communicator's engine group, for all_to_all_v and send/recv. Move-only;

@@ -284,7 +284,7 @@ EpBuffer::EpBuffer() : impl_(std::make_unique<Impl>()) {}
 
 EpBuffer::~EpBuffer() {
   Impl& im = *impl_;
-  for (auto& sl : im.slots) sl.sends.wait(*im.ci, "EpBuffer teardown").ok();  // writes still reading the arena
+  for (auto& sl : im.slots) sl.sends.wait(*im.ci, "EpBuffer teardown", /*interruptible=*/false).ok();  // writes still reading the arena
   if (im.mr.id) im.ci->engine->deregister(im.mr).ok();
   if (im.dev) {
     for (void* p : im.dev_allocs) im.dev->free(p);

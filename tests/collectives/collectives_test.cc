@@ -102,6 +102,54 @@ std::string steady_state_allocates_nothing(Communicator& c) {
   return "";
 }
 
+// ------------------------------------------------------------------ an interrupted wait (W = 2)
+
+// Rank 0's CommunicatorOptions::interrupted: true once armed; counts its calls and whether each
+// came on the thread that made the collective call.
+struct Interrupter {
+  std::atomic<bool> armed{false};
+  std::atomic<int> calls{0};
+  std::atomic<int> foreign{0};
+  std::thread::id caller = std::this_thread::get_id();
+  static bool ask(void* arg) {
+    auto* i = static_cast<Interrupter*>(arg);
+    i->calls++;
+    if (std::this_thread::get_id() != i->caller) i->foreign++;
+    return i->armed.load();
+  }
+};
+
+EpConfig interrupt_config() {
+  EpConfig cfg;
+  cfg.num_experts = 4;
+  cfg.max_tokens = 8;
+  cfg.hidden = 32;
+  cfg.topk = 2;
+  cfg.dtype = DType::kFloat32;
+  return cfg;
+}
+
+// Rank 1: joins the communicator, an EpBuffer and a barrier, then stays out of rank 0's dispatch
+// (its engine's worker still answers) until rank 0 says it is done, and closes.
+int interrupt_peer(const Channel& ch, const Setup& s) {
+  std::string verdict = "ok";
+  {
+    auto c = Communicator::create(1, 2, channel_allgather(ch, 2), comm_options(s, kTimeoutMs, 1));
+    if (!c.ok()) {
+      ch.send_str(std::string("communicator: ") + c.status().message());
+      return 3;
+    }
+    auto ep = EpBuffer::create(**c, interrupt_config());
+    Status b = ep.ok() ? (*c)->barrier() : ep.status();
+    if (!b.ok()) verdict = std::string("rank 1: ") + b.message();
+    ch.send_str("parked");
+    std::string m;
+    if (!ch.recv_str(&m, 120000) || m != "done") verdict = "rank 1: no word from rank 0";
+  }
+  ch.send_str(verdict);
+  return 0;
+}
+
 // ------------------------------------------------------------------ ranks 1..W-1 (peer processes)
 
 std::string run_scenario(const std::string& name, Communicator& c, const std::function<void()>& before_dispatch) {
@@ -119,6 +167,7 @@ int run_peer(int argc, char** argv) {
   Setup s = setup_by_name(argv[2]);
   const int W = atoi(argv[3]), rank = atoi(argv[4]);
   const std::string scenario = argv[5];
+  if (scenario == "interrupt") return interrupt_peer(ch, s);
   std::string verdict;
   {
     auto c = Communicator::create(rank, W, channel_allgather(ch, W),
@@ -203,6 +252,71 @@ TEST_P(CollectivesTest, SteadyStateAllocatesNothing) { run_world("no_alloc"); }
 class CollectivesDeathTest : public CollectivesTest {};
 TEST_P(CollectivesDeathTest, RankKilledMidDispatch) { run_world("kill"); }
 
+// Rank 0's dispatch waits for rank 1, which does not come: the interrupted hook (Ctrl-C in Python)
+// ends it within a few of its 100 ms checks, not at PONTE_TIMEOUT_MS, with kCancelled; every later
+// call fails at once the same way, and the EpBuffer and the communicator close cleanly (no flag is
+// left for the engine to fire into freed memory: ASan's build runs this too).
+class CollectivesInterruptTest : public CollectivesTest {};
+TEST_P(CollectivesInterruptTest, AnInterruptEndsAWaitAndRetiresTheCommunicator) {
+  const Param& p = GetParam();
+  ASSERT_EQ(p.world, 2);
+  PeerProcess rank1({p.setup.name, "2", "1", "interrupt"});
+  ASSERT_TRUE(rank1.started());
+  Interrupter intr;
+  CommunicatorOptions opts = comm_options(p.setup, kTimeoutMs, 0);
+  opts.interrupted = &Interrupter::ask;
+  opts.interrupted_arg = &intr;
+  {
+    // rank 1's bytes come over its channel: a hub of one
+    AllGather ag = [&](std::span<const uint8_t> mine, std::vector<std::vector<uint8_t>>* all) -> Status {
+      all->assign(2, {});
+      (*all)[0].assign(mine.begin(), mine.end());
+      if (!rank1.channel().recv(&(*all)[1], 60000)) return Status(Code::kPeerDead, "rank 1 sent no bytes");
+      for (auto& b : *all)
+        if (!rank1.channel().send(b)) return Status(Code::kPeerDead, "rank 1 left");
+      return Status::Ok();
+    };
+    auto c = Communicator::create(0, 2, ag, opts);
+    ASSERT_TRUE(c.ok()) << c.status().message();
+    auto ep = EpBuffer::create(**c, interrupt_config());
+    ASSERT_TRUE(ep.ok()) << ep.status().message();
+    ASSERT_TRUE((*c)->barrier().ok());
+    std::string m;
+    ASSERT_TRUE(rank1.channel().recv_str(&m, 60000) && m == "parked") << m;
+
+    const EpConfig cfg = interrupt_config();
+    const int T = cfg.max_tokens, H = cfg.hidden, L = (*ep)->local_experts();
+    std::vector<float> x(static_cast<size_t>(T) * H, 1.0f);
+    std::vector<float> rx(static_cast<size_t>(L) * (*ep)->recv_rows_per_expert() * H);
+    std::vector<int64_t> idx(static_cast<size_t>(T) * 2);
+    for (int t = 0; t < T; t++) idx[2 * t] = t % 4, idx[2 * t + 1] = (t + 1) % 4;  // both ranks' experts
+    std::vector<int32_t> cnt(L);
+    EpRows xr{x.data(), static_cast<size_t>(T), static_cast<size_t>(H), DType::kFloat32};
+    EpRows rxr{rx.data(), rx.size() / H, static_cast<size_t>(H), DType::kFloat32};
+    const int calls_before = intr.calls.load();
+    intr.armed = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto h = (*ep)->dispatch(xr, idx, rxr, cnt);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    ASSERT_FALSE(h.ok()) << "the dispatch ended well without rank 1";
+    EXPECT_EQ(h.status().code(), Code::kCancelled) << h.status().message();
+    EXPECT_LT(took, std::chrono::milliseconds(kTimeoutMs / 4)) << "the interrupt was not noticed before the timeout";
+    EXPECT_GT(intr.calls.load(), calls_before);
+    EXPECT_EQ(intr.foreign.load(), 0) << "the hook ran on another thread than the caller's";
+    const auto t1 = std::chrono::steady_clock::now();
+    Status again = (*c)->barrier();
+    EXPECT_EQ(again.code(), Code::kCancelled) << again.message();
+    auto h2 = (*ep)->dispatch(xr, idx, rxr, cnt);
+    EXPECT_EQ(h2.status().code(), Code::kCancelled) << h2.status().message();
+    EXPECT_LT(std::chrono::steady_clock::now() - t1, 1s) << "a retired communicator still waited";
+  }
+  rank1.channel().send_str("done");
+  std::string verdict;
+  EXPECT_TRUE(rank1.channel().recv_str(&verdict, 60000));
+  EXPECT_EQ(verdict, "ok");
+  EXPECT_EQ(rank1.wait_exit(30000), 0);
+}
+
 std::vector<Param> params(int min_world = 1) {
   std::vector<Param> out;
   const char* ws = getenv("PONTE_TEST_WORLDS");  // e.g. "2" in the SoftRoCE guest
@@ -223,6 +337,14 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesTest, ::testing::ValuesIn(params()),
                          [](const ::testing::TestParamInfo<Param>& i) {
                            return i.param.setup.name + "_w" + std::to_string(i.param.world);
                          });
+
+std::vector<Param> two_ranks() {
+  std::vector<Param> out;
+  for (auto& s : setups()) out.push_back({s, 2});
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesInterruptTest, ::testing::ValuesIn(two_ranks()),
+                         [](const ::testing::TestParamInfo<Param>& i) { return i.param.setup.name + "_w2"; });
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesDeathTest, ::testing::ValuesIn(params(2)),
                          [](const ::testing::TestParamInfo<Param>& i) {
