@@ -134,7 +134,10 @@ class Engine:
     def __exit__(self, *args: Any) -> None: ...
 
 class Communicator:
-    """W ranks over one engine of their own, bootstrapped through allgather(bytes) -> list[bytes]."""
+    """W ranks over one engine of their own, bootstrapped through allgather(bytes) -> list[bytes].
+
+    Ctrl-C during a call that waits for other ranks raises KeyboardInterrupt at once; every later
+    call of this communicator (and its EpBuffers) then raises ponte.Error(CANCELLED)."""
     def __init__(self, rank: int, world: int, allgather: Callable[[bytes], Sequence[BytesLike]], *,
                  backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
                  stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...) -> None: ...

@@ -99,6 +99,16 @@ struct HandleState {
   py::object src_info, layout_range;  // copies, made on first access
 };
 
+// CommunicatorOptions::interrupted for Python: runs the interpreter's pending signal handlers
+// (the GIL taken for it; the waiting call released it). Ctrl-C's handler raises KeyboardInterrupt:
+// the exception stays pending, the call ends with kCancelled, and raise_error raises it.
+bool python_interrupted(void*) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  const bool raised = PyErr_CheckSignals() != 0;
+  PyGILState_Release(gil);
+  return raised;
+}
+
 // Status of a collective call: bad input is a ValueError naming the call, the rest ponte.Error.
 void check(const Status& st, const char* what) {
   if (!st.ok()) raise_refusal(st, what);
@@ -280,13 +290,15 @@ void bind_collectives(py::module_& m) {
       "W ranks over one engine of their own (the same keyword overrides as Engine), bootstrapped through "
       "``allgather(data: bytes) -> list[bytes]`` (every rank's bytes, in rank order). Collective calls are "
       "made by all ranks in the same order, from one thread. ``Communicator.from_torch(group)`` builds one "
-      "over torch.distributed.")
+      "over torch.distributed. Ctrl-C while a call waits for other ranks raises KeyboardInterrupt at once; "
+      "the communicator (and its EpBuffers) then raise ponte.Error(CANCELLED).")
       .def(py::init([](py::handle rank, py::handle world, py::object allgather, py::kwargs kw) {
              int w = arg_int(world, "world", 1, 1 << 20);
              int r = arg_int(rank, "rank", 0, w - 1);
              if (!PyCallable_Check(allgather.ptr())) raise_type("allgather must be callable: bytes -> list[bytes]");
              CommunicatorOptions opts;
              opts.engine.config = engine_config(kw);
+             opts.interrupted = &python_interrupted;
              std::optional<py::error_already_set> raised;
              AllGather ag = python_allgather(allgather, w, &raised);
              Result<std::unique_ptr<Communicator>> c = Status(Code::kInternal, "not created");

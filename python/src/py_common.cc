@@ -44,6 +44,9 @@ void init_errors(pyb::module_& m) {
 }
 
 void raise_error(const Status& st, const char* what) {
+  // A Python exception raised while the call waited (Ctrl-C's KeyboardInterrupt, from the
+  // communicator's interrupted hook) is the one the caller gets.
+  if (PyErr_Occurred()) throw pyb::error_already_set();
   std::string text = std::string(what) + ": " + st.message();
   pyb::object exc = pyb::reinterpret_steal<pyb::object>(PyObject_CallFunction(g_error, "s", text.c_str()));
   if (!exc) throw pyb::error_already_set();

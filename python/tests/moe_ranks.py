@@ -6,6 +6,8 @@ single-process computation of the same MoE step.
 """
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
 
@@ -225,7 +227,40 @@ def scenario_dead(ponte, comm, me, W, cfg):
     return "ok"
 
 
-SCENARIOS = {"moe": scenario_moe, "bad_input": scenario_bad_input, "dead": scenario_dead}
+def scenario_interrupt(ponte, comm, me, W, cfg):
+    """Ctrl-C while rank 0's dispatch waits for rank 1, which stays away (alive, not calling):
+    KeyboardInterrupt comes within a few tenths of a second, not at the timeout; the communicator
+    then refuses every call with ponte.Error(CANCELLED) at once, and closes cleanly."""
+    ep = ponte.EpBuffer(comm, cfg["experts"], cfg["hidden"], cfg["max_tokens"], cfg["topk"])
+    comm.barrier()
+    if me != 0:
+        time.sleep(3.0)  # past rank 0's interrupted call, well within its 30 s timeout
+        return "ok"
+    x, idx, w = inputs(me, 0, cfg)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.time()
+    try:
+        ep.dispatch(x, idx)
+        return "dispatch ended without rank 1"
+    except KeyboardInterrupt:
+        took = time.time() - t0
+    if took > cfg["timeout_ms"] / 1000 / 8:
+        return "Ctrl-C noticed after %.1f s (timeout %.0f s)" % (took, cfg["timeout_ms"] / 1000)
+    t0 = time.time()
+    for call in (comm.barrier, lambda: ep.dispatch(x, idx)):
+        try:
+            call()
+            return "a call after the interrupt succeeded"
+        except ponte.Error as e:
+            if e.code != ponte.Code.CANCELLED:
+                return "after the interrupt: code %s (%s)" % (e.code, e)
+    if time.time() - t0 > 1.0:
+        return "the interrupted communicator still waited (%.1f s)" % (time.time() - t0)
+    return "ok"
+
+
+SCENARIOS = {"moe": scenario_moe, "bad_input": scenario_bad_input, "dead": scenario_dead,
+             "interrupt": scenario_interrupt}
 
 
 def rank_main(me, W, conn, scenario, cfg):

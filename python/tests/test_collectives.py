@@ -45,6 +45,11 @@ def test_dead_rank_fails_the_survivors_within_the_timeout():
     assert results.get(1) == "ok", results.get(1)
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_ctrl_c_ends_a_collective_wait_and_retires_the_communicator(provider):
+    assert_all_ok(run_world(2, "interrupt", provider, timeout_ms=30000), 2)
+
+
 def test_communicator_arguments():
     with pytest.raises(ValueError, match="rank"):
         ponte.Communicator(2, 2, lambda b: [b, b])
