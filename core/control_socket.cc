@@ -24,6 +24,18 @@ std::string ControlEndpoint::to_string() const {
   return std::string(buf) + ":" + std::to_string(port);
 }
 
+// Interfaces that carry a host's own containers' or VMs' traffic, not the cluster's: docker0 (up
+// whenever Docker runs, with no carrier until a container starts), libvirt's virbr*, and the
+// host ends of container veth pairs. NCCL's automatic choice skips docker* too.
+static bool local_bridge(const char* name) {
+  for (const char* prefix : {"docker", "virbr", "veth"})
+    if (strncmp(name, prefix, strlen(prefix)) == 0) return true;
+  return false;
+}
+
+// PONTE_CTRL_ADDR; else PONTE_SOCKET_IFNAME's IPv4 address; else the first interface that is up
+// and running (a carrier: an unplugged port or an empty bridge is up but not running), not
+// loopback and not a local bridge; else the first up non-loopback one; else 127.0.0.1.
 static Status pick_ipv4(const Config& cfg, in_addr* out) {
   if (!cfg.ctrl_addr.empty()) {
     if (inet_pton(AF_INET, cfg.ctrl_addr.c_str(), out) != 1)
@@ -32,16 +44,30 @@ static Status pick_ipv4(const Config& cfg, in_addr* out) {
   }
   ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) != 0) return Status(Code::kUnavailable, "getifaddrs: %s", strerror(errno));
-  bool found = false;
-  for (ifaddrs* i = ifs; i && !found; i = i->ifa_next) {
+  int best = 0;  // 2: up, running, not a local bridge; 1: up, not loopback
+  const char* chosen = nullptr;
+  for (ifaddrs* i = ifs; i && best < 2; i = i->ifa_next) {
     if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP)) continue;
-    bool loop = (i->ifa_flags & IFF_LOOPBACK) != 0;
-    if (!cfg.socket_ifname.empty() ? cfg.socket_ifname != i->ifa_name : loop) continue;
+    int rank;
+    if (!cfg.socket_ifname.empty()) {
+      if (cfg.socket_ifname != i->ifa_name) continue;
+      rank = 2;
+    } else {
+      if (i->ifa_flags & IFF_LOOPBACK) continue;
+      rank = (i->ifa_flags & IFF_RUNNING) && !local_bridge(i->ifa_name) ? 2 : 1;
+    }
+    if (rank <= best) continue;
+    best = rank;
+    chosen = i->ifa_name;
     *out = reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr;
-    found = true;
+    if (rank == 1) PONTE_LOG_DEBUG("control address: %s is %s; looking further", chosen,
+                                   local_bridge(chosen) ? "a local bridge" : "not running");
   }
+  if (best == 1)
+    PONTE_LOG_WARN("control address: no running interface besides local bridges; advertising %s's "
+                   "(set PONTE_SOCKET_IFNAME or PONTE_CTRL_ADDR if peers cannot reach it)", chosen);
   freeifaddrs(ifs);
-  if (!found) {
+  if (best == 0) {
     if (!cfg.socket_ifname.empty())
       return Status(Code::kNotFound, "PONTE_SOCKET_IFNAME=%s has no IPv4 address", cfg.socket_ifname.c_str());
     out->s_addr = htonl(INADDR_LOOPBACK);

@@ -20,7 +20,8 @@ struct ControlEndpoint {
 };
 
 // Opens a non-blocking listening socket on the address the config selects (PONTE_CTRL_ADDR, else
-// PONTE_SOCKET_IFNAME's IPv4, else the first non-loopback IPv4 interface, else 127.0.0.1).
+// PONTE_SOCKET_IFNAME's IPv4, else the first running non-loopback IPv4 interface that is not a
+// local bridge (docker*, virbr*, veth*), else the first up non-loopback one, else 127.0.0.1).
 Result<int> control_listen(const Config& cfg, ControlEndpoint* advertised);
 
 // Framing of the control connection: u32 length (little endian) + payload, at most
