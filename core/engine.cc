@@ -102,9 +102,14 @@ static Result<std::unique_ptr<Backend>> choose_backend(const Config& cfg) {
   if (verbs.ok() && !(*verbs)->devices().empty()) return verbs;
   auto fabric = open_fabric_backend(cfg);
   if (fabric.ok() && !(*fabric)->devices().empty()) return fabric;
-  return Status(Code::kUnavailable, "no RDMA backend: verbs: %s; fabric (%s): %s",
-                verbs.ok() ? "no active port" : verbs.status().message(), cfg.fabric_provider.c_str(),
-                fabric.ok() ? "no device" : fabric.status().message());
+  // Each reason in full in the log: the status has room for about 120 bytes, and the two
+  // together (a kernel without RDMA, a provider without RDM) do not fit.
+  const char* vwhy = verbs.ok() ? "no active port" : verbs.status().message();
+  const char* fwhy = fabric.ok() ? "no device" : fabric.status().message();
+  PONTE_LOG_WARN("no RDMA backend: verbs: %s", vwhy);
+  PONTE_LOG_WARN("no RDMA backend: fabric (PONTE_FABRIC_PROVIDER=%s): %s", cfg.fabric_provider.c_str(), fwhy);
+  return Status(Code::kUnavailable, "no RDMA backend (PONTE_BACKEND=auto; each reason is logged): fabric (%s): %s; verbs: %s",
+                cfg.fabric_provider.c_str(), fwhy, vwhy);
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {

@@ -419,8 +419,8 @@ void NicGroup::service_peer(PeerId id, int which) {
     if (!got.ok()) {
       if (outbound && !p.hello_received && got.status().code() == Code::kPeerDead)
         return peer_died(id, Code::kPeerDead,
-                         "the peer closed the control connection before its hello: a PONTE_JOB_KEY that "
-                         "differs, an address of an engine that has restarted, or another ponte version");
+                         "the peer closed the control connection before its hello: its process ended, or a "
+                         "PONTE_JOB_KEY that differs, an engine that has restarted, or another ponte version");
       return peer_died(id, Code::kPeerDead, got.status().message());
     }
     if (!*got) return;
