@@ -220,16 +220,35 @@ struct RecvOut {
   py::object x, count;
   HostMemory xm, cm;
 };
+// A new torch tensor of shape `shape` taken as the call's memory (HostMemory::adopt_new_tensor);
+// numpy arrays are read through acquire_for_call as usual (its numpy path is as cheap).
+py::object new_tensor_for_call(HostMemory& m, std::initializer_list<size_t> shape, const char* dtype, size_t itemsize) {
+  py::object t = new_array(true, shape, dtype);
+  m.adopt_new_tensor(t, std::span<const size_t>(shape.begin(), shape.size()), dtype, itemsize);
+  return t;
+}
+size_t row_bytes(const EpState& s) { return static_cast<size_t>(s.cfg.hidden) * (s.cfg.dtype == DType::kFloat32 ? 4 : 2); }
+
 // The caller's recv_x / recv_count (reused across steps), or new ones.
 void alloc_recv(RecvOut& r, const EpState& s, bool torch, py::handle recv_x, py::handle recv_count) {
-  r.x = recv_x.is_none() ? new_array(torch, {static_cast<size_t>(s.L), s.rows_per_expert, static_cast<size_t>(s.cfg.hidden)},
-                                     s.dtype_str())
-                         : py::reinterpret_borrow<py::object>(recv_x);
+  const size_t rows_all = static_cast<size_t>(s.L) * s.rows_per_expert;
+  if (recv_x.is_none() && torch) {
+    r.x = new_tensor_for_call(r.xm, {static_cast<size_t>(s.L), s.rows_per_expert, static_cast<size_t>(s.cfg.hidden)},
+                              s.dtype_str(), row_bytes(s) / static_cast<size_t>(s.cfg.hidden));
+  } else {
+    r.x = recv_x.is_none() ? new_array(torch, {static_cast<size_t>(s.L), s.rows_per_expert, static_cast<size_t>(s.cfg.hidden)},
+                                       s.dtype_str())
+                           : py::reinterpret_borrow<py::object>(recv_x);
+    EpRows rows = rows_of(r.xm, r.x, "recv_x", s, true);
+    if (rows.rows != rows_all)
+      raise_value("recv_x: %zu rows; it must be [L=%d, W * max_tokens=%zu, hidden]", rows.rows, s.L, s.rows_per_expert);
+  }
+  if (recv_count.is_none() && torch) {
+    r.count = new_tensor_for_call(r.cm, {static_cast<size_t>(s.L)}, "int32", 4);
+    return;
+  }
   r.count = recv_count.is_none() ? new_array(torch, {static_cast<size_t>(s.L)}, "int32")
                                  : py::reinterpret_borrow<py::object>(recv_count);
-  EpRows rows = rows_of(r.xm, r.x, "recv_x", s, true);
-  if (rows.rows != static_cast<size_t>(s.L) * s.rows_per_expert)
-    raise_value("recv_x: %zu rows; it must be [L=%d, W * max_tokens=%zu, hidden]", rows.rows, s.L, s.rows_per_expert);
   r.cm.acquire_for_call(r.count, "recv_count", true, true);
   if (r.cm.dtype() != "int32" || r.cm.size() != static_cast<size_t>(s.L) * 4)
     raise_value("recv_count: must be int32 [L=%d]", s.L);
@@ -243,6 +262,12 @@ py::object out_for(py::handle out, HostMemory& m, EpRows* rows, const EpState& s
   py::object o;
   if (out.is_none()) {
     if (accumulate) raise_value("out: accumulate=True adds to out, so out must be given");
+    if (h.torch) {
+      o = new_tensor_for_call(m, {static_cast<size_t>(h.tokens), static_cast<size_t>(s.cfg.hidden)}, s.dtype_str(),
+                              row_bytes(s) / static_cast<size_t>(s.cfg.hidden));
+      *rows = EpRows{m.data(), static_cast<size_t>(h.tokens), static_cast<size_t>(s.cfg.hidden), s.cfg.dtype};
+      return o;
+    }
     o = new_array(h.torch, {static_cast<size_t>(h.tokens), static_cast<size_t>(s.cfg.hidden)}, s.dtype_str());
   } else {
     o = py::reinterpret_borrow<py::object>(out);

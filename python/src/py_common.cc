@@ -468,6 +468,30 @@ void HostMemory::acquire_for_call(pyb::handle obj, const char* name, bool writab
   obj_ = pyb::reinterpret_borrow<pyb::object>(obj);
 }
 
+void HostMemory::adopt_new_tensor(pyb::object tensor, std::span<const size_t> shape, const char* dtype,
+                                  size_t itemsize) {
+  static PyObject* const n_data_ptr = interned("data_ptr");
+  PyObject* r = PyObject_CallMethodNoArgs(tensor.ptr(), n_data_ptr);
+  if (!r) throw pyb::error_already_set();
+  void* p = PyLong_AsVoidPtr(r);
+  Py_DECREF(r);
+  if (!p && PyErr_Occurred()) throw pyb::error_already_set();
+  release();
+  ndim_ = 0;
+  more_.clear();
+  size_t n = 1;
+  for (size_t d : shape) {
+    push_dim(d);
+    n *= d;
+  }
+  dtype_ = dtype;
+  itemsize_ = itemsize;
+  data_ = p;
+  size_ = n * itemsize;
+  torch_ = true;
+  obj_ = std::move(tensor);
+}
+
 void HostMemory::push_dim(size_t d) {
   if (ndim_ < dims_.size()) {
     dims_[ndim_++] = d;

@@ -75,6 +75,10 @@ class HostMemory {
   // resize it meanwhile.
   // Anything else goes through acquire().
   void acquire_for_call(pyb::handle obj, const char* name, bool writable, bool c_order = false);
+  // A tensor the binding has just made with torch.empty (contiguous, on the CPU, requiring no
+  // grad, seen by nothing yet): only its data pointer is read. acquire's checks could not fail,
+  // and no autograd record can hold its version.
+  void adopt_new_tensor(pyb::object tensor, std::span<const size_t> shape, const char* dtype, size_t itemsize);
   void release();
   void* data() const { return data_; }
   size_t size() const { return size_; }
