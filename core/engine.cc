@@ -376,6 +376,12 @@ Status Engine::write_imm_whole(int group, PeerId peer, const LocalSlice& src, co
   return submit_write(g, group, peer, src, dst, dst_offset, &imm, true, behind, done);
 }
 
+Status Engine::write_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                           size_t dst_offset, Notify done, bool behind) {
+  PONTE_GROUP_OR_RETURN(g, group);
+  return submit_write(g, group, peer, src, dst, dst_offset, nullptr, true, behind, done);
+}
+
 // Engine::read and read_each_nic: count 0 reads through one NIC, else through that many.
 static Status submit_read(NicGroup* g, int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
                           size_t src_offset, uint32_t count, Notify done) {

@@ -169,6 +169,10 @@ class Engine {
   // for a later message) queued just before a small message that someone does wait for.
   Status write_imm_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
                          size_t dst_offset, uint32_t imm, Notify done, bool behind = false);
+  // The same without an immediate: for a protocol message whose target reads its bytes (and
+  // checks them whole) instead of counting it.
+  Status write_whole(int group, PeerId peer, const LocalSlice& src, const RemoteRegion& dst,
+                     size_t dst_offset, Notify done, bool behind = false);
   // RDMA read of len bytes from src+src_offset into dst.
   Status read(int group, PeerId peer, const LocalSlice& dst, const RemoteRegion& src,
               size_t src_offset, Notify done);

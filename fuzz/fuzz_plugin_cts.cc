@@ -1,7 +1,9 @@
 // Fuzzes what a receiver writes into a sender's CTS FIFO slot (bytes from another process, landed by
 // RDMA) and into the receiver's size-record area. The input is u32 expected request number + slot
-// bytes. Accepted slots are of this version; every accepted buffer lies inside its region; what
-// was decoded, encoded again, decodes to the same; records round-trip.
+// bytes; the seal's seed is kSeed (the seeds are sealed with it). read_cts takes a slot only whole
+// (version, request, length, seal) and never reads past cts_bytes(n); its elements then decode
+// inside their regions (the elements are also decoded unsealed: the decoder must hold on its own);
+// what was decoded, encoded again, is taken and decodes to the same; records round-trip.
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -14,22 +16,22 @@ using namespace ponte::plugin;
 
 namespace {
 
+constexpr uint64_t kSeed = 0x5eed5eed5eed5eedull;  // fuzz/make_seeds.cc seals with it too
+
 struct Decoded {
   int n = 0;
   CtsElem elems[kMaxRecvs];
   RemoteRegion regions[kMaxRecvs];
 };
 
-// As the transport reads a slot: the header, then every element; any bad element rejects it all.
-bool decode_slot(const uint8_t* slot, uint32_t expected, Decoded* d) {
-  auto n = decode_cts_header(slot, expected);
-  if (!n.ok()) return false;
-  FUZZ_CHECK(*n >= 1 && *n <= kMaxRecvs);
-  d->n = *n;
+// Every element of a slot copy with n buffers; any bad element rejects it all.
+bool decode_elems(const uint8_t* copy, int n, Decoded* d) {
+  FUZZ_CHECK(n >= 1 && n <= kMaxRecvs);
+  d->n = n;
   for (int i = 0; i < d->n; i++) {
-    if (!decode_cts_elem(slot, i, &d->elems[i], &d->regions[i]).ok()) return false;
+    if (!decode_cts_elem(copy, i, &d->elems[i], &d->regions[i]).ok()) return false;
     const CtsElem& e = d->elems[i];
-    FUZZ_CHECK(e.region.data() >= slot && e.region.data() + e.region.size() <= slot + kCtsSlotBytes);
+    FUZZ_CHECK(e.region.data() >= copy && e.region.data() + e.region.size() <= copy + cts_bytes(n));
     FUZZ_CHECK(e.offset <= d->regions[i].len && e.size <= d->regions[i].len - e.offset);
     // An inline offer may name a buffer of any size (wire version 4): the sender decides what goes
     // inline, and the receiver bounds what it copies out by kInlineMax (transport_data.cc).
@@ -46,13 +48,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto slot = std::make_unique<uint8_t[]>(kCtsSlotBytes);  // exactly a slot: over-reads are reports
   std::memset(slot.get(), 0, kCtsSlotBytes);
   std::memcpy(slot.get(), data + 4, std::min(size - 4, kCtsSlotBytes));
-  Decoded d;
-  if (decode_slot(slot.get(), expected, &d)) {
+  auto copy = std::make_unique<uint8_t[]>(kCtsSlotBytes);
+  auto n = read_cts(slot.get(), expected, kSeed, copy.get());
+  if (n.ok()) {
     FUZZ_CHECK(slot[0] == kWireVersion && slot[1] == 'T');
+    FUZZ_CHECK(std::memcmp(copy.get(), slot.get(), cts_bytes(*n)) == 0);
+  } else {
+    FUZZ_CHECK(n.status().code() == Code::kAgain);
+  }
+  // The elements as the header's count says, sealed or not.
+  const int count = slot[8] >= 1 && slot[8] <= kMaxRecvs ? slot[8] : 1;
+  Decoded d;
+  if (decode_elems(slot.get(), count, &d)) {
     auto again = std::make_unique<uint8_t[]>(kCtsSlotBytes);
-    FUZZ_CHECK(encode_cts(expected, std::span<const CtsElem>(d.elems, d.n), again.get()).ok());
+    FUZZ_CHECK(encode_cts(expected, kSeed, std::span<const CtsElem>(d.elems, d.n), again.get()).ok());
+    auto n2 = read_cts(again.get(), expected, kSeed, copy.get());
+    FUZZ_CHECK(n2.ok() && *n2 == d.n);
     Decoded d2;
-    FUZZ_CHECK(decode_slot(again.get(), expected, &d2) && d2.n == d.n);
+    FUZZ_CHECK(decode_elems(copy.get(), d.n, &d2));
     for (int i = 0; i < d.n; i++) {
       FUZZ_CHECK(d2.elems[i].offset == d.elems[i].offset && d2.elems[i].size == d.elems[i].size &&
                  d2.elems[i].tag == d.elems[i].tag && d2.elems[i].inline_data == d.elems[i].inline_data &&

@@ -215,7 +215,7 @@ Seeds all_seeds() {
     Bytes slot(4 + plugin::kCtsSlotBytes);
     const uint32_t req = 41;
     memcpy(slot.data(), &req, 4);
-    must_ok(plugin::encode_cts(req, elems, slot.data() + 4));
+    must_ok(plugin::encode_cts(req, 0x5eed5eed5eed5eedull, elems, slot.data() + 4));  // fuzz_plugin_cts.cc's kSeed
     s[n == 1 ? "plugin_cts/seed-cts-1" : "plugin_cts/seed-cts-8"] = slot;
   }
   Bytes rec(4 + plugin::kRecordBytes);

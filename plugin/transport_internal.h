@@ -212,6 +212,7 @@ struct SendComm : CommBase {
   uint32_t matched = 0;                                     // its buffers already sent to
   CtsElem elems[kMaxRecvs];
   RemoteRegion regions[kMaxRecvs];
+  uint8_t cts_copy[kCtsSlotBytes];                          // the CTS read_cts took whole
   std::unique_ptr<SendRequest[]> reqs{new SendRequest[kSendRequests]};
   int free_list[kSendRequests];
   int free_count = 0;

@@ -1,6 +1,7 @@
 // Encoders and decoders of the transport's wire formats (see wire.h). Little endian throughout.
 #include "plugin/wire.h"
 
+#include <atomic>
 #include <bit>
 #include <cstring>
 
@@ -263,14 +264,36 @@ Result<NoticeMsg> decode_notice(std::span<const uint8_t> b) {
 
 // ---- CTS slot ---------------------------------------------------------------------------------
 
-Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8_t* out) {
+namespace {
+// The CTS seal: a 64-bit hash of `len` bytes (a multiple of 8) seeded with the pair's token, bytes
+// 16..23 (the seal itself) taken as zero. Word by word, each mixed in with a multiply and a
+// shift (splitmix64's finalizer): a change anywhere, a byte or the whole, changes the result but
+// with a chance of 2^-64.
+uint64_t cts_seal(const uint8_t* p, size_t len, uint64_t seed) {
+  uint64_t h = seed ^ 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < len; i += 8) {
+    uint64_t w = i == 16 ? 0 : get<uint64_t>(p + i);
+    h ^= w + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h ^= h >> 30;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 27;
+    h *= 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+static_assert(kCtsHeader % 8 == 0 && kCtsElemBytes % 8 == 0, "the seal hashes whole words");
+}  // namespace
+
+Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const CtsElem> elems, uint8_t* out) {
   if (elems.empty() || elems.size() > static_cast<size_t>(kMaxRecvs))
     return Status(Code::kInvalidArgument, "CTS: %zu buffers, must be 1..%d", elems.size(),
                   kMaxRecvs);
-  put_header(out, 'T', cts_bytes(static_cast<int>(elems.size())));
+  const size_t len = cts_bytes(static_cast<int>(elems.size()));
+  put_header(out, 'T', len);
   put<uint32_t>(out + 4, request_number);
   out[8] = static_cast<uint8_t>(elems.size());
-  std::memset(out + 9, 0, 7);
+  std::memset(out + 9, 0, 15);
   for (size_t i = 0; i < elems.size(); ++i) {
     uint8_t* e = out + kCtsHeader + i * kCtsElemBytes;
     const CtsElem& c = elems[i];
@@ -284,21 +307,27 @@ Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8
     e[24] = static_cast<uint8_t>(c.region.size());
     std::memset(e + 25, 0, 7);
     if (!c.region.empty()) std::memcpy(e + kCtsElemHeader, c.region.data(), c.region.size());
+    std::memset(e + kCtsElemHeader + c.region.size(), 0, kCtsElemBytes - kCtsElemHeader - c.region.size());
   }
+  put<uint64_t>(out + 16, cts_seal(out, len, seal_seed));
   return Status::Ok();
 }
 
-Result<int> decode_cts_header(const uint8_t* slot, uint32_t expected_request_number) {
-  std::span<const uint8_t> b(slot, kCtsSlotBytes);
-  PONTE_RETURN_IF_ERROR(check_header(b, 'T', kCtsHeader + kCtsElemBytes, "CTS"));
-  const uint32_t req = get<uint32_t>(slot + 4);
-  if (req != expected_request_number)
-    return Status(Code::kInvalidArgument, "CTS: request %u where %u was expected", req,
-                  expected_request_number);
-  const int n = slot[8];
-  if (n < 1 || n > kMaxRecvs ||
-      get<uint16_t>(slot + 2) != cts_bytes(n))
-    return Status(Code::kInvalidArgument, "CTS: bad buffer count %d", n);
+Result<int> read_cts(const uint8_t* slot, uint32_t expected_request_number, uint64_t seal_seed, uint8_t* copy) {
+  auto not_yet = [] { return Status(Code::kAgain, "CTS: not (wholly) written yet"); };
+  // The header first (the length to copy), then the whole CTS again: the seal is checked on the
+  // copy, and the caller decodes only the copy. A peer's write may land meanwhile: the fence keeps
+  // these loads after the caller's earlier ones (its progress call).
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(copy, slot, kCtsHeader);
+  if (copy[0] != kWireVersion || copy[1] != 'T' || get<uint32_t>(copy + 4) != expected_request_number) return not_yet();
+  const int n = copy[8];
+  if (n < 1 || n > kMaxRecvs || get<uint16_t>(copy + 2) != cts_bytes(n)) return not_yet();
+  const size_t len = cts_bytes(n);
+  std::memcpy(copy, slot, len);
+  if (get<uint16_t>(copy + 2) != len || copy[8] != n || get<uint64_t>(copy + 16) != cts_seal(copy, len, seal_seed))
+    return not_yet();
+  if (copy[0] != kWireVersion || copy[1] != 'T' || get<uint32_t>(copy + 4) != expected_request_number) return not_yet();
   return n;
 }
 

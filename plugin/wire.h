@@ -12,9 +12,10 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 5;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
+constexpr uint8_t kWireVersion = 6;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
                                      // 4: the inline slot is offered (any buffer size), the sender picks;
-                                     // 5: a message that fills its one buffer may come without a record
+                                     // 5: a message that fills its one buffer may come without a record;
+                                     // 6: the CTS is a plain write, sealed (no immediate)
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -155,22 +156,17 @@ Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 
 // ---------------------------------------------------------------------------------------------
 // CTS FIFO slot: what irecv writes into slot (request % 32) of the sender's FIFO: its header and
-// its n elements (cts_bytes(n): 144 bytes for one buffer, small enough for a verbs inline send, not
-// the whole kCtsSlotBytes), with the slot's CTS immediate. The immediate, not any byte of the slot,
-// says that the slot is complete; the sender reads no byte past the n elements.
-//   header (16): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
-//                7 pad
-//   n elements (kCtsElemBytes each): u64 offset in region, u64 size, i32 tag, u32 flags,
-//                u8 region length, 7 pad, RemoteRegion bytes (<= 96 for 4 NICs)
-//   flags bit 0 (kCtsInline): the inline slot is offered. The receiver offers it for a one-buffer
-//                receive in host memory, of any size (NCCL posts whole step buffers, whatever it
-//                sends into them). The size record then goes into the request's inline slot (see
-//                below), not its record slot. A message of at most PONTE_NET_INLINE bytes
-//                (<= kInlineMax) from host memory goes behind it, in the same write (one write
-//                per message, not two), and the receiver copies it out; a larger one, or one from
-//                GPU memory, goes into the buffer as usual and its record says so (shards > 0).
-//                Other bits: 0.
-constexpr size_t kCtsHeader = 16;
+// its n elements (cts_bytes(n): 152 bytes for one buffer, small enough for a verbs inline send, not
+// the whole kCtsSlotBytes), as a plain write: no immediate, so no completion for the sender's
+// provider to report (on tcp;ofi_rxm a completion costs the target a CQ entry and a wake-up
+// signal; on verbs a receive). The sender reads the slot's bytes instead, into a copy of its own,
+// and takes the copy only when it is whole: the request number it waits for and a seal over the
+// copy's bytes (read_cts). The seal is a 64-bit hash seeded with the pair's CONNECT token: a write
+// still landing (old and new bytes mixed: no order of placement within a write is assumed), the
+// slot's previous CTS (another request number) and a zeroed slot all fail it.
+//   header (24): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
+//                7 pad, u64 seal (the hash of the cts_bytes(n) bytes with these 8 as zero)
+constexpr size_t kCtsHeader = 24;
 constexpr size_t kCtsElemHeader = 32;
 constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
 constexpr size_t kCtsSlotBytes = kCtsHeader + kMaxRecvs * kCtsElemBytes;
@@ -188,11 +184,15 @@ struct CtsElem {
   bool inline_data = false;  // kCtsInline: record and data together into the inline slot
 };
 
-// Writes one slot (header + n elements) into out (kCtsSlotBytes).
-Status encode_cts(uint32_t request_number, std::span<const CtsElem> elems, uint8_t* out);
-// Reads the slot header: checks version/kind/request number and returns n (1..kMaxRecvs).
-Result<int> decode_cts_header(const uint8_t* slot, uint32_t expected_request_number);
-// Reads element i of a slot (offset, size, tag and the decoded region).
+// Writes one slot (header + n elements) into out (kCtsSlotBytes), sealed with `seal_seed` (the
+// pair's CONNECT token).
+Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const CtsElem> elems, uint8_t* out);
+// Copies the CTS that `slot` (memory a peer writes) holds into `copy` (kCtsSlotBytes) and returns
+// its buffer count n (1..kMaxRecvs) when the copy is the whole CTS of `expected_request_number`
+// (version, kind, request number, length and seal); kAgain when it is not (yet): not written, the
+// slot's previous CTS, or a write still landing.
+Result<int> read_cts(const uint8_t* slot, uint32_t expected_request_number, uint64_t seal_seed, uint8_t* copy);
+// Reads element i of a slot copy that read_cts took (offset, size, tag and the decoded region).
 Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* region);
 
 // ---------------------------------------------------------------------------------------------

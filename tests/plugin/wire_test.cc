@@ -179,64 +179,111 @@ TEST(PluginWire, NoticeRoundTripAndStrictDecoding) {
   EXPECT_FALSE(decode_reject({buf, kNoticeBytes}).ok()) << "a NOTICE is not a REJECT";
 }
 
+constexpr uint64_t kSeal = 0x1234abcd5678ef90ull;  // a pair's CONNECT token
+
 TEST(PluginWire, CtsSlotRoundTrip) {
-  std::vector<uint8_t> slot(kCtsSlotBytes, 0xee);
+  std::vector<uint8_t> slot(kCtsSlotBytes, 0xee), copy(kCtsSlotBytes);
   const auto r4 = region(4).encode();
   const auto r1 = region(1, 0x9000, 8192).encode();
   CtsElem elems[3];
   elems[0] = CtsElem{0, 1000, 11, r4};
   elems[1] = CtsElem{4096, 4096, -5, r1};
   elems[2] = CtsElem{0, 0, 12, {}};  // zero-byte receive without a registration
-  ASSERT_TRUE(encode_cts(1234, elems, slot.data()).ok());
-  auto n = decode_cts_header(slot.data(), 1234);
+  ASSERT_TRUE(encode_cts(1234, kSeal, elems, slot.data()).ok());
+  auto n = read_cts(slot.data(), 1234, kSeal, copy.data());
   ASSERT_TRUE(n.ok()) << n.status().message();
   EXPECT_EQ(n.value(), 3);
-  EXPECT_FALSE(decode_cts_header(slot.data(), 1235).ok()) << "another request's CTS";
+  EXPECT_EQ(read_cts(slot.data(), 1235, kSeal, copy.data()).status().code(), Code::kAgain) << "another request's CTS";
+  EXPECT_EQ(read_cts(slot.data(), 1234, kSeal + 1, copy.data()).status().code(), Code::kAgain)
+      << "another pair's CTS (a comm closed before)";
+  ASSERT_TRUE(read_cts(slot.data(), 1234, kSeal, copy.data()).ok());
   CtsElem e;
   RemoteRegion r;
-  ASSERT_TRUE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  ASSERT_TRUE(decode_cts_elem(copy.data(), 1, &e, &r).ok());
   EXPECT_EQ(e.offset, 4096u);
   EXPECT_EQ(e.size, 4096u);
   EXPECT_EQ(e.tag, -5);
   EXPECT_EQ(r.nics, 1);
   EXPECT_EQ(r.len, 8192u);
-  ASSERT_TRUE(decode_cts_elem(slot.data(), 2, &e, &r).ok());
+  ASSERT_TRUE(decode_cts_elem(copy.data(), 2, &e, &r).ok());
   EXPECT_EQ(e.size, 0u);
   // A buffer that does not fit its region is refused.
   elems[1].offset = 8000;
-  ASSERT_TRUE(encode_cts(1, elems, slot.data()).ok());
-  EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
+  ASSERT_TRUE(encode_cts(1, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(read_cts(slot.data(), 1, kSeal, copy.data()).ok());
+  EXPECT_FALSE(decode_cts_elem(copy.data(), 1, &e, &r).ok());
   // Bad counts.
   std::vector<CtsElem> nine(9, elems[0]);
-  EXPECT_FALSE(encode_cts(1, nine, slot.data()).ok());
-  EXPECT_FALSE(encode_cts(1, {}, slot.data()).ok());
+  EXPECT_FALSE(encode_cts(1, kSeal, nine, slot.data()).ok());
+  EXPECT_FALSE(encode_cts(1, kSeal, {}, slot.data()).ok());
   std::vector<uint8_t> zeros(kCtsSlotBytes, 0);
-  EXPECT_FALSE(decode_cts_header(zeros.data(), 0).ok());
+  EXPECT_EQ(read_cts(zeros.data(), 0, kSeal, copy.data()).status().code(), Code::kAgain) << "a fresh slot";
+  EXPECT_EQ(read_cts(zeros.data(), 0, 0, copy.data()).status().code(), Code::kAgain) << "a fresh slot, seed 0";
+}
+
+// The CTS is a plain write: no order of placement within it is assumed, so the sender may read
+// the slot while it lands, the previous CTS's bytes and the new one's mixed. Every such mix that
+// is not the whole new CTS is "not yet" (kAgain), never a CTS: whichever bytes landed first, in
+// any run of words, and a single byte missing anywhere.
+TEST(PluginWire, CtsHalfLandedIsNotYetInEveryOrder) {
+  const auto r4 = region(4).encode();
+  const auto r1 = region(1, 0x9000, 8192).encode();
+  std::vector<CtsElem> two = {CtsElem{0, 1000, 7, r4}, CtsElem{64, 100, 8, r1}};
+  std::vector<uint8_t> old_cts(kCtsSlotBytes, 0), new_cts(kCtsSlotBytes, 0), slot(kCtsSlotBytes), copy(kCtsSlotBytes);
+  ASSERT_TRUE(encode_cts(5, kSeal, two, old_cts.data()).ok());  // request 5, two buffers
+  two[1].size = 200;
+  ASSERT_TRUE(encode_cts(37, kSeal, two, new_cts.data()).ok());  // request 37, the same slot
+  const size_t len = cts_bytes(2);
+  int seen = 0;
+  for (size_t from = 0; from < len; ++from)
+    for (size_t to = from + 1; to <= len; ++to) {
+      if (from == 0 && to == len) continue;  // all of it: the whole CTS
+      slot = old_cts;  // bytes [from, to) of the new CTS have landed, the rest not yet
+      std::memcpy(slot.data() + from, new_cts.data() + from, to - from);
+      if (std::memcmp(slot.data(), new_cts.data(), len) != 0) {  // unless the rest was the same
+        auto n = read_cts(slot.data(), 37, kSeal, copy.data());
+        ASSERT_EQ(n.status().code(), Code::kAgain) << "bytes [" << from << ", " << to << ") of " << len;
+        ++seen;
+      }
+      slot = new_cts;  // and the complement: all but [from, to)
+      std::memcpy(slot.data() + from, old_cts.data() + from, to - from);
+      if (std::memcmp(slot.data(), new_cts.data(), len) != 0) {
+        auto n = read_cts(slot.data(), 37, kSeal, copy.data());
+        ASSERT_EQ(n.status().code(), Code::kAgain) << "all but bytes [" << from << ", " << to << ") of " << len;
+        ++seen;
+      }
+    }
+  EXPECT_GT(seen, 1000);
+  slot = old_cts;
+  std::memcpy(slot.data(), new_cts.data(), len);
+  auto n = read_cts(slot.data(), 37, kSeal, copy.data());
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(n.value(), 2);
 }
 
 // irecv writes only the CTS's header and its n elements (cts_bytes(n)), over whatever an earlier
 // CTS with more buffers left in the slot: encoding touches no byte past them, and the slot decodes
 // to the new CTS alone.
 TEST(PluginWire, CtsWritesOnlyItsElementsOverAStaleSlot) {
-  EXPECT_EQ(cts_bytes(1), 144u) << "one buffer's CTS: 16-byte header, one 128-byte element";
+  EXPECT_EQ(cts_bytes(1), 152u) << "one buffer's CTS: 24-byte header, one 128-byte element";
   EXPECT_LT(cts_bytes(1), kCtsSlotBytes / 4);
   const auto r4 = region(4).encode();
   const auto r1 = region(1, 0x9000, 8192).encode();
   std::vector<CtsElem> eight(kMaxRecvs, CtsElem{0, 1000, 7, r4});
-  std::vector<uint8_t> sender_slot(kCtsSlotBytes, 0);
-  ASSERT_TRUE(encode_cts(5, eight, sender_slot.data()).ok());  // request 5: eight buffers
+  std::vector<uint8_t> sender_slot(kCtsSlotBytes, 0), copy(kCtsSlotBytes);
+  ASSERT_TRUE(encode_cts(5, kSeal, eight, sender_slot.data()).ok());  // request 5: eight buffers
   std::vector<uint8_t> fresh(kCtsSlotBytes, 0xee);
   CtsElem one[1] = {CtsElem{4096, 2048, 3, r1}};
-  ASSERT_TRUE(encode_cts(37, one, fresh.data()).ok());  // request 37, the same slot: one buffer
+  ASSERT_TRUE(encode_cts(37, kSeal, one, fresh.data()).ok());  // request 37, the same slot: one buffer
   for (size_t i = cts_bytes(1); i < kCtsSlotBytes; ++i)
     ASSERT_EQ(fresh[i], 0xee) << "encode_cts wrote byte " << i << " past its element";
   std::memcpy(sender_slot.data(), fresh.data(), cts_bytes(1));  // what the write lands
-  auto n = decode_cts_header(sender_slot.data(), 37);
+  auto n = read_cts(sender_slot.data(), 37, kSeal, copy.data());
   ASSERT_TRUE(n.ok()) << n.status().message();
   EXPECT_EQ(n.value(), 1) << "the stale CTS's seven other elements are not read";
   CtsElem e;
   RemoteRegion r;
-  ASSERT_TRUE(decode_cts_elem(sender_slot.data(), 0, &e, &r).ok());
+  ASSERT_TRUE(decode_cts_elem(copy.data(), 0, &e, &r).ok());
   EXPECT_EQ(e.offset, 4096u);
   EXPECT_EQ(e.size, 2048u);
   EXPECT_EQ(e.tag, 3);
@@ -247,7 +294,7 @@ TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   std::vector<uint8_t> slot(kCtsSlotBytes, 0);
   const auto r1 = region(1, 0x9000, 8192).encode();
   CtsElem elems[2] = {CtsElem{0, kInlineMax, 3, r1, true}, CtsElem{0, 8192, 4, r1, false}};
-  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
   CtsElem e;
   RemoteRegion r;
   ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
@@ -260,12 +307,12 @@ TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   const auto r4 = region(1, 0x9000, 8 << 20).encode();
   elems[0].size = 4 << 20;
   elems[0].region = r4;
-  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
   ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
   EXPECT_TRUE(e.inline_data);
   EXPECT_EQ(e.size, 4u << 20);
   // Unknown flag bits are refused.
-  ASSERT_TRUE(encode_cts(7, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
   slot[kCtsHeader + kCtsElemBytes + 20] = 0x02;  // element 1's flags
   EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
   // Records: 8 per request slot, request numbers wrap at 32; inline slots follow them, no overlap.
