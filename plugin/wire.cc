@@ -1,7 +1,6 @@
 // Encoders and decoders of the transport's wire formats (see wire.h). Little endian throughout.
 #include "plugin/wire.h"
 
-#include <atomic>
 #include <bit>
 #include <cstring>
 
@@ -315,10 +314,12 @@ Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const C
 
 Result<int> read_cts(const uint8_t* slot, uint32_t expected_request_number, uint64_t seal_seed, uint8_t* copy) {
   auto not_yet = [] { return Status(Code::kAgain, "CTS: not (wholly) written yet"); };
-  // The header first (the length to copy), then the whole CTS again: the seal is checked on the
-  // copy, and the caller decodes only the copy. A peer's write may land meanwhile: the fence keeps
-  // these loads after the caller's earlier ones (its progress call).
-  std::atomic_thread_fence(std::memory_order_acquire);
+  // The request number with an acquire load first: the copy's loads come after it, on weakly
+  // ordered CPUs too (and after the caller's earlier ones: its progress call). Then the header
+  // (the length to copy), then the whole CTS again: the seal is checked on the copy, and the
+  // caller decodes only the copy. A peer's write may land meanwhile.
+  const uint32_t number = __atomic_load_n(reinterpret_cast<const uint32_t*>(slot + 4), __ATOMIC_ACQUIRE);
+  if (number != expected_request_number) return not_yet();
   std::memcpy(copy, slot, kCtsHeader);
   if (copy[0] != kWireVersion || copy[1] != 'T' || get<uint32_t>(copy + 4) != expected_request_number) return not_yet();
   const int n = copy[8];
