@@ -22,9 +22,10 @@ constexpr uint8_t kWireVersion = 6;  // 2: CTS elements may ask for inline data;
 constexpr int kMaxRequests = 32;      // requests in flight per comm (NCCL_NET_MAX_REQUESTS)
 constexpr int kMaxRecvs = 8;          // buffers in one grouped receive (maxRecvs)
 constexpr int kMaxNicsPerDevice = 4;  // NICs fused into one plugin device (NCCL_NET_MAX_DEVS_PER_NIC)
-// Comm ids per device (send and receive comms together). Each id owns 64 immediate values (data or
-// CTS, and record, for 32 slots), dense from 64: the device's engine counts values below
-// kDenseImmValues in a flat array (4 MiB per device), so every id can be in use at once.
+// Comm ids per device (send and receive comms together). Each id owns 64 immediate values (data
+// and record, for 32 slots; a send comm's go unused since the CTS carries none), dense from 64:
+// the device's engine counts values below kDenseImmValues in a flat array (4 MiB per device), so
+// every id can be in use at once.
 constexpr uint32_t kMaxCommId = 16383;
 
 // ---------------------------------------------------------------------------------------------
@@ -33,13 +34,14 @@ constexpr uint32_t kMaxCommId = 16383;
 //
 //   bits 31..20 : 0 (reserved)
 //   bits 19..6  : comm id (1..16383), allocated by the device (group) the immediate lands on
-//   bit   5     : 1 = size record, 0 = data shard (at a receiver) or CTS slot (at a sender)
+//   bit   5     : 1 = size record, 0 = data shard (immediates land at receivers only: the CTS
+//                 is a plain write, wire version 6)
 //   bits  4..0  : request slot (request number mod 32: 32 requests in flight per comm)
 //
 // A grouped receive is one request: its n size records all carry the record value of that
-// request, and all data shards of its n buffers carry its data value. A sender's CTS slot s
-// carries the CTS value of slot s of the send comm. A slot is reused only after its previous
-// request completed and its counts were consumed exactly, so values need no generation bits.
+// request, and all data shards of its n buffers carry its data value. A slot is reused only after
+// its previous request completed and its counts were consumed exactly, so values need no
+// generation bits.
 // A closed comm's id stays unused for the engine timeout (late immediates of a comm closed with
 // work outstanding end by then), and whatever counts are left on its values are consumed before
 // the id is handed out again.

@@ -227,14 +227,14 @@ py::object new_tensor_for_call(HostMemory& m, std::initializer_list<size_t> shap
   m.adopt_new_tensor(t, std::span<const size_t>(shape.begin(), shape.size()), dtype, itemsize);
   return t;
 }
-size_t row_bytes(const EpState& s) { return static_cast<size_t>(s.cfg.hidden) * (s.cfg.dtype == DType::kFloat32 ? 4 : 2); }
+size_t elem_bytes(const EpState& s) { return s.cfg.dtype == DType::kFloat32 ? 4 : 2; }
 
 // The caller's recv_x / recv_count (reused across steps), or new ones.
 void alloc_recv(RecvOut& r, const EpState& s, bool torch, py::handle recv_x, py::handle recv_count) {
   const size_t rows_all = static_cast<size_t>(s.L) * s.rows_per_expert;
   if (recv_x.is_none() && torch) {
     r.x = new_tensor_for_call(r.xm, {static_cast<size_t>(s.L), s.rows_per_expert, static_cast<size_t>(s.cfg.hidden)},
-                              s.dtype_str(), row_bytes(s) / static_cast<size_t>(s.cfg.hidden));
+                              s.dtype_str(), elem_bytes(s));
   } else {
     r.x = recv_x.is_none() ? new_array(torch, {static_cast<size_t>(s.L), s.rows_per_expert, static_cast<size_t>(s.cfg.hidden)},
                                        s.dtype_str())
@@ -264,7 +264,7 @@ py::object out_for(py::handle out, HostMemory& m, EpRows* rows, const EpState& s
     if (accumulate) raise_value("out: accumulate=True adds to out, so out must be given");
     if (h.torch) {
       o = new_tensor_for_call(m, {static_cast<size_t>(h.tokens), static_cast<size_t>(s.cfg.hidden)}, s.dtype_str(),
-                              row_bytes(s) / static_cast<size_t>(s.cfg.hidden));
+                              elem_bytes(s));
       *rows = EpRows{m.data(), static_cast<size_t>(h.tokens), static_cast<size_t>(s.cfg.hidden), s.cfg.dtype};
       return o;
     }
