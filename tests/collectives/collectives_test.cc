@@ -260,23 +260,16 @@ class CollectivesInterruptTest : public CollectivesTest {};
 TEST_P(CollectivesInterruptTest, AnInterruptEndsAWaitAndRetiresTheCommunicator) {
   const Param& p = GetParam();
   ASSERT_EQ(p.world, 2);
-  PeerProcess rank1({p.setup.name, "2", "1", "interrupt"});
+  std::vector<std::unique_ptr<PeerProcess>> ranks;
+  ranks.push_back(std::make_unique<PeerProcess>(std::vector<std::string>{p.setup.name, "2", "1", "interrupt"}));
+  PeerProcess& rank1 = *ranks[0];
   ASSERT_TRUE(rank1.started());
   Interrupter intr;
   CommunicatorOptions opts = comm_options(p.setup, kTimeoutMs, 0);
   opts.interrupted = &Interrupter::ask;
   opts.interrupted_arg = &intr;
   {
-    // rank 1's bytes come over its channel: a hub of one
-    AllGather ag = [&](std::span<const uint8_t> mine, std::vector<std::vector<uint8_t>>* all) -> Status {
-      all->assign(2, {});
-      (*all)[0].assign(mine.begin(), mine.end());
-      if (!rank1.channel().recv(&(*all)[1], 60000)) return Status(Code::kPeerDead, "rank 1 sent no bytes");
-      for (auto& b : *all)
-        if (!rank1.channel().send(b)) return Status(Code::kPeerDead, "rank 1 left");
-      return Status::Ok();
-    };
-    auto c = Communicator::create(0, 2, ag, opts);
+    auto c = Communicator::create(0, 2, hub_allgather(ranks), opts);
     ASSERT_TRUE(c.ok()) << c.status().message();
     auto ep = EpBuffer::create(**c, interrupt_config());
     ASSERT_TRUE(ep.ok()) << ep.status().message();
