@@ -56,14 +56,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     FUZZ_CHECK(n.status().code() == Code::kAgain);
   }
+  // The slot read as an eager record of request `expected` (the same bytes an eager slot holds).
+  EagerRecord er;
+  if (read_eager(slot.get(), expected, &er)) {
+    uint8_t again[kRecordBytes];
+    encode_eager(er, again);
+    EagerRecord er2;
+    FUZZ_CHECK(read_eager(again, expected, &er2) && er2 == er);
+  }
   // The elements as the header's count says, sealed or not.
   const int count = slot[8] >= 1 && slot[8] <= kMaxRecvs ? slot[8] : 1;
   Decoded d;
   if (decode_elems(slot.get(), count, &d)) {
     auto again = std::make_unique<uint8_t[]>(kCtsSlotBytes);
-    FUZZ_CHECK(encode_cts(expected, kSeed, std::span<const CtsElem>(d.elems, d.n), again.get()).ok());
+    const uint32_t oldest = cts_oldest_open(slot.get());
+    FUZZ_CHECK(encode_cts(expected, oldest, kSeed, std::span<const CtsElem>(d.elems, d.n), again.get()).ok());
     auto n2 = read_cts(again.get(), expected, kSeed, copy.get());
-    FUZZ_CHECK(n2.ok() && *n2 == d.n);
+    FUZZ_CHECK(n2.ok() && *n2 == d.n && cts_oldest_open(copy.get()) == oldest);
     Decoded d2;
     FUZZ_CHECK(decode_elems(copy.get(), d.n, &d2));
     for (int i = 0; i < d.n; i++) {

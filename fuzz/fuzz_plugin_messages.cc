@@ -72,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   AcceptMsg a;
   a.token = fdp.ConsumeIntegral<uint64_t>();
   a.receiver_comm_id = fdp.ConsumeIntegralInRange<uint32_t>(1, kMaxCommId);
-  a.records = make_region(fdp, kRecordArea);
+  a.records = make_region(fdp, kRecordRegionBytes);
   auto an = encode_accept(a, out);
   FUZZ_CHECK(an.ok());
   auto a2 = decode_accept(std::span<const uint8_t>(out, *an));

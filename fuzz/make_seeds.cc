@@ -192,7 +192,7 @@ Seeds all_seeds() {
   plugin::AcceptMsg a;
   a.token = 77;
   a.receiver_comm_id = 9;
-  a.records = must(RemoteRegion::decode(remote_region(2, plugin::kRecordArea)));
+  a.records = must(RemoteRegion::decode(remote_region(2, plugin::kRecordRegionBytes)));
   s["plugin_messages/seed-accept"] = Bytes(msg, msg + must(plugin::encode_accept(a, msg)));
   plugin::RejectMsg r;
   r.token = 77;
@@ -215,12 +215,17 @@ Seeds all_seeds() {
     Bytes slot(4 + plugin::kCtsSlotBytes);
     const uint32_t req = 41;
     memcpy(slot.data(), &req, 4);
-    must_ok(plugin::encode_cts(req, 0x5eed5eed5eed5eedull, elems, slot.data() + 4));  // fuzz_plugin_cts.cc's kSeed
+    must_ok(plugin::encode_cts(req, req - 3, 0x5eed5eed5eed5eedull, elems, slot.data() + 4));  // fuzz_plugin_cts.cc's kSeed
     s[n == 1 ? "plugin_cts/seed-cts-1" : "plugin_cts/seed-cts-8"] = slot;
   }
   Bytes rec(4 + plugin::kRecordBytes);
   plugin::encode_record({123456, 3, 41}, rec.data() + 4);
   s["plugin_cts/seed-record"] = rec;
+  Bytes eager(4 + plugin::kRecordBytes + 16, 0x5a);
+  const uint32_t eager_req = 41;
+  memcpy(eager.data(), &eager_req, 4);
+  plugin::encode_eager({16, eager_req, 7}, eager.data() + 4);
+  s["plugin_cts/seed-eager"] = eager;
 #ifdef PONTE_FUZZ_COLLECTIVES
   // collectives_ep_header: 14 parameter bytes (fuzz_collectives_ep_header.cc), then the header.
   for (uint8_t phase : {kEpPhaseDispatch, kEpPhaseCombine}) {

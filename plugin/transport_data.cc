@@ -94,6 +94,21 @@ void undo_op(CommBase* c, Request* r) {
   c->inflight.fetch_sub(1, std::memory_order_relaxed);
 }
 
+// The device's peer for its own group (flush reads, eager copies into non-host buffers), connected
+// on first use.
+Result<PeerId> self_peer(Device* d) {
+  if (!d->has_self.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(d->mu);
+    if (!d->has_self.load(std::memory_order_relaxed)) {
+      auto p = d->engine->connect(d->group, d->engine->address(d->group));
+      if (!p.ok()) return p.status();
+      d->self_peer = p.value();
+      d->has_self.store(true, std::memory_order_release);
+    }
+  }
+  return d->self_peer;
+}
+
 Status post_record(SendComm* c, SendRequest* r) {
   Device* d = c->dev;
   LocalSlice src{&c->mrs[1], r->record_src_offset, r->record_len};
@@ -140,6 +155,58 @@ Status failed_recv(RecvComm* c, const Status& why, void** request) {
   return Status::Ok();
 }
 
+// Eager (plugin/README.md): whether a message may go before its CTS is read. The CTS read last
+// predicts the receive: one buffer in host memory offering inline, at least this size, this tag
+// (NCCL's proxy posts the same kind of receive step after step). A wrong prediction costs a copy
+// at the receiver, never data: the eager record names its tag, and the receiver puts the data
+// into that buffer whatever the receive turns out to be. The slot must be free: the CTS read last
+// says request head - 32 ended at the receiver (its oldest open request is later).
+bool eager_fits(SendComm* c, const void* data, size_t size, int tag, void* mhandle) {
+  const Config& cfg = global_config();
+  if (!cfg.net_eager || !c->last_cts_one_host || size > cfg.net_inline || size > c->last_cts_size ||
+      tag != c->last_cts_tag || c->free_count == 0)
+    return false;
+  if (static_cast<uint32_t>(c->head) - c->last_cts_oldest >= static_cast<uint32_t>(kMaxRequests)) return false;
+  const int user = c->inline_user[c->head % kMaxRequests];
+  if (user >= 0 && c->reqs[user].pending.load(std::memory_order_acquire) != 0) return false;
+  if (size == 0) return true;
+  const MrEntry* m = nullptr;
+  return check_mr(c->dev, mhandle, data, size, &m).ok() && m->kind == MemKind::kHost;
+}
+
+// Sends the message for request `head` into its eager slot at the receiver: the eager record and
+// the data behind it, one write with the request's record immediate. head moves on once its CTS
+// is read (isend).
+Status send_eager(SendComm* c, const void* data, size_t size, int tag, void** request) {
+  Engine& e = *c->dev->engine;
+  const size_t islot = c->head % kMaxRequests;
+  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
+  r->error.store(0, std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->size = size;
+  r->record_unsubmitted = false;
+  r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  r->record_src_offset = static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes;
+  r->record_dst_offset = eager_slot_offset(c->head);
+  r->record_len = kRecordBytes + size;
+  encode_eager(EagerRecord{size, c->head, tag}, c->outbox.ptr + r->record_src_offset);
+  if (size > 0) std::memcpy(c->outbox.ptr + r->record_src_offset + kRecordBytes, data, size);
+  Status st = post_record(c, r);
+  if (st.code() == Code::kAgain) {
+    r->record_unsubmitted = true;  // test() posts it
+  } else if (!st.ok()) {
+    note_error(r, st);
+  }
+  e.start_submitted(c->dev->group);
+  c->inline_user[islot] = r->index;
+  --c->free_count;
+  r->in_use = true;
+  c->eager_pending = true;
+  c->eager_tag = tag;
+  *request = r;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
@@ -154,7 +221,8 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   if (Status why = refusal(c); !why.ok()) [[unlikely]]
     return failed_send(c, why, request);
 
-  if (c->head_n < 0) {  // wait for the receiver's CTS for request `head`: its slot, whole (wire.h)
+  while (c->head_n < 0) {  // wait for the receiver's CTS for request `head`: its slot, whole (wire.h)
+    if (!c->eager_pending && eager_fits(c, data, size, tag, mhandle)) return send_eager(c, data, size, tag, request);
     const uint8_t* slot = c->fifo.ptr + (c->head % kMaxRequests) * kCtsSlotBytes;
     const uint32_t number = static_cast<uint32_t>(c->head);
     auto n = read_cts(slot, number, c->token, c->cts_copy);
@@ -166,6 +234,24 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     }
     c->head_n = n.value();
     c->matched = 0;
+    // What this receive was predicts the next one (eager_fits).
+    c->last_cts_one_host = c->head_n == 1 && c->elems[0].inline_data;
+    c->last_cts_size = c->elems[0].size;
+    c->last_cts_tag = c->elems[0].tag;
+    c->last_cts_oldest = cts_oldest_open(c->cts_copy);
+    if (c->eager_pending) {  // one of its buffers has its message already: the eager one's tag
+      c->eager_pending = false;
+      int j = 0;
+      while (j < c->head_n && c->elems[j].tag != c->eager_tag) ++j;
+      if (j == c->head_n)
+        return Status(Code::kTransport, "isend: the receive for an eager message of tag %d has no buffer of that tag",
+                      c->eager_tag);
+      c->matched = 1u << j;
+      if (c->head_n == 1) {
+        ++c->head;
+        c->head_n = -1;
+      }
+    }
   }
   int i = 0;
   for (; i < c->head_n; ++i)
@@ -287,9 +373,16 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   // depend on the buffer's size, only on where it is.
   const bool inl = n == 1 && sizes[0] > 0 && global_config().net_inline > 0 && targets[0]->kind == MemKind::kHost;
   elems[0].inline_data = inl;
+  // The oldest request still open: the sender may write request m's eager slot once it reads a
+  // CTS whose oldest open request is after m - 32.
+  while (c->oldest < number) {
+    const RecvRequest& o = c->reqs[c->oldest % kMaxRequests];
+    if (o.in_use && o.number == c->oldest) break;
+    ++c->oldest;
+  }
   uint8_t* out = c->cts.ptr + slot * kCtsSlotBytes;
-  PONTE_RETURN_IF_ERROR(
-      encode_cts(static_cast<uint32_t>(number), c->token, std::span<const CtsElem>(elems, n), out));
+  PONTE_RETURN_IF_ERROR(encode_cts(static_cast<uint32_t>(number), static_cast<uint32_t>(c->oldest), c->token,
+                                   std::span<const CtsElem>(elems, n), out));
 
   r->error.store(0, std::memory_order_relaxed);
   r->pending.store(0, std::memory_order_relaxed);
@@ -303,6 +396,12 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   r->inline_dst = inl ? data[0] : nullptr;
   r->shards = 0;
   r->whole = false;
+  r->eager_buf = -1;
+  r->eager_copying = false;
+  for (int i = 0; i < n; ++i) {
+    r->dst[i] = data[i];
+    r->tags[i] = elems[i].tag;
+  }
   // One buffer: its record slot is blanked before the CTS goes out, so that a message filling
   // the buffer can come without a record (wire.h: whole-buffer messages).
   if (n == 1)
@@ -355,16 +454,9 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
       break;
     }
   if (!f) return Status::Ok();
-  if (!d->has_self.load(std::memory_order_acquire)) {  // first flush: a peer for our own group
-    std::lock_guard<std::mutex> lock(d->mu);
-    if (!d->has_self.load(std::memory_order_relaxed)) {
-      auto p = d->engine->connect(d->group, d->engine->address(d->group));
-      if (!p.ok()) return p.status();
-      d->self_peer = p.value();
-      d->has_self.store(true, std::memory_order_release);
-    }
-  }
-  const PeerId self = d->self_peer;
+  auto self_or = self_peer(d);
+  if (!self_or.ok()) return self_or.status();
+  const PeerId self = self_or.value();
   const size_t len = std::min<size_t>(static_cast<size_t>(sizes[last]), 4);
   const size_t off = reinterpret_cast<uintptr_t>(data[last]) - m->start + sizes[last] - len;
   f->error.store(0, std::memory_order_relaxed);
@@ -478,7 +570,23 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
         uint32_t shards = 0;
         const uint8_t* base =
             rc->records.ptr + (q->inline_data ? inline_slot_offset(q->number) : record_offset(q->number, 0));
+        // An eager message (sent before the sender read this request's CTS): its record names the
+        // buffer by tag, and its data is copied there from the eager slot.
+        EagerRecord er;
+        if (read_eager(rc->records.ptr + eager_slot_offset(q->number), q->number, &er)) {
+          int j = 0;
+          while (j < q->n && q->tags[j] != er.tag) ++j;
+          if (j == q->n || er.size > kInlineMax) {
+            note_error(q, Status(Code::kTransport, "an eager message (tag %d, %llu bytes) fits no buffer of receive %llu",
+                                 er.tag, static_cast<unsigned long long>(er.size),
+                                 static_cast<unsigned long long>(q->number)));
+            return Status::Ok();
+          }
+          q->eager_buf = j;
+          q->received[j] = std::min<uint64_t>(er.size, q->posted[j]);
+        }
         for (int i = 0; i < q->n; ++i) {
+          if (i == q->eager_buf) continue;
           if (q->n == 1 && q->posted[0] > 0 && is_blank_record(base, static_cast<uint32_t>(q->number))) {
             q->received[0] = q->posted[0];  // the record immediate came with the whole buffer
             q->whole = true;
@@ -499,10 +607,42 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       }
       if (q->shards > 0 && e.imm_arrived(d->group, q->data_imm) < q->shards)
         return waiting(q->data_imm, q->shards);
+      // An eager message into a buffer the CPU cannot copy to (GPU memory): written there from the
+      // eager slot through the device's own peer, a NIC's loopback (PONTE_NET_EAGER_NIC_COPY
+      // takes this path for host buffers too, for tests).
+      const int eb = q->eager_buf;
+      if (eb >= 0 && !q->eager_copying && q->received[eb] > 0 &&
+          (q->targets[eb].load(std::memory_order_relaxed)->kind != MemKind::kHost || global_config().net_eager_nic_copy)) {
+        const MrEntry* m = q->targets[eb].load(std::memory_order_relaxed);
+        auto self = self_peer(d);
+        if (!self.ok()) {
+          note_error(q, self.status());
+          return Status::Ok();
+        }
+        if (!start_op(c, q)) {
+          note_error(q, refusal(c));
+          return Status::Ok();
+        }
+        Status st = e.write(d->group, self.value(),
+                            LocalSlice{&rc->mrs[0], eager_slot_offset(q->number) + kRecordBytes, q->received[eb]},
+                            m->remote, reinterpret_cast<uintptr_t>(q->dst[eb]) - m->start, Notify{&op_done, q});
+        if (st.code() == Code::kAgain) {
+          undo_op(c, q);
+          return Status::Ok();  // the next test() tries again
+        }
+        q->eager_copying = true;
+        if (!st.ok()) {
+          undo_op(c, q);
+          note_error(q, st);
+          return Status::Ok();
+        }
+      }
       if (q->pending.load(std::memory_order_acquire) != 0) return Status::Ok();
+      if (eb >= 0 && !q->eager_copying && q->received[eb] > 0)
+        std::memcpy(q->dst[eb], rc->records.ptr + eager_slot_offset(q->number) + kRecordBytes, q->received[eb]);
       // Data behind the record (no shards) is copied out; the slot is not reused before this
       // request ends. With shards it went into the buffer.
-      if (q->inline_data && !q->whole && q->shards == 0 && q->received[0] > 0)
+      if (q->inline_data && !q->whole && eb < 0 && q->shards == 0 && q->received[0] > 0)
         std::memcpy(q->inline_dst, rc->records.ptr + inline_slot_offset(q->number) + kRecordBytes,
                     q->received[0]);
       e.consume_imm(d->group, q->record_imm, static_cast<uint32_t>(q->n));

@@ -163,6 +163,10 @@ struct RecvRequest : Request {
   void* inline_dst = nullptr;  // ... and data behind it (a record without shards) is copied here
   uint32_t shards = 0;
   bool whole = false;  // the data came without a record, filling the buffer (wire.h)
+  int eager_buf = -1;  // the buffer an eager message (wire.h, eager slots) is for; -1: none came
+  bool eager_copying = false;  // its data is being written into a non-host buffer (through a NIC)
+  void* dst[kMaxRecvs] = {};   // the buffers' addresses
+  int32_t tags[kMaxRecvs] = {};
   uint64_t posted[kMaxRecvs] = {};
   uint64_t received[kMaxRecvs] = {};
 };
@@ -210,6 +214,14 @@ struct SendComm : CommBase {
   uint64_t head = 0;                                        // request number being matched
   int head_n = -1;                                          // buffers in that CTS; -1 = not read
   uint32_t matched = 0;                                     // its buffers already sent to
+  // Eager (plugin/README.md): a message for `head` sent before its CTS was read. The CTS read
+  // last predicts the next receive: one host buffer offering inline, its size and tag.
+  bool eager_pending = false;                               // sent for head; CTS head not read yet
+  int32_t eager_tag = 0;
+  bool last_cts_one_host = false;
+  uint64_t last_cts_size = 0;
+  int32_t last_cts_tag = 0;
+  uint32_t last_cts_oldest = 0;                             // its oldest open request (low 32 bits)
   CtsElem elems[kMaxRecvs];
   RemoteRegion regions[kMaxRecvs];
   uint8_t cts_copy[kCtsSlotBytes];                          // the CTS read_cts took whole
@@ -219,11 +231,12 @@ struct SendComm : CommBase {
 };
 
 struct RecvComm : CommBase {
-  HostBuffer records{kRecordArea + kInlineArea};  // size records and inline slots, by the sender
+  HostBuffer records{kRecordRegionBytes};  // size records, inline and eager slots, by the sender
   HostBuffer cts{kFifoBytes};       // CTS slots to write into the sender's FIFO
   HostBuffer flush_buf{kPage};      // target of flush reads
   RemoteRegion fifo;                // the sender's FIFO
   uint64_t next = 0;                // next request number
+  uint64_t oldest = 0;              // no request before this one is still open (CTS oldest_open)
   RecvRequest reqs[kMaxRequests];
   Request flushes[kMaxRequests];
   uint8_t accept_msg[kMaxMsgSize];  // the ACCEPT that made it: sent again to a repeated CONNECT

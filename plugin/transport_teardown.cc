@@ -64,7 +64,10 @@ bool ready_to_free(Device* d, CommBase* c) {
   const bool dead = d->engine->peer_dead(d->group, c->peer);
   if (!c->closed_sent && !dead) {
     const bool clean = !c->failed_any.load() && c->broken.load(std::memory_order_acquire) == 0;
-    const uint64_t started = c->is_send ? static_cast<SendComm*>(c)->head : static_cast<RecvComm*>(c)->next;
+    // A send comm started its matched requests, and the one an eager message went to (whose CTS it
+    // had not read yet: a one-buffer receive, as predicted, has all it needs).
+    const uint64_t started = c->is_send ? static_cast<SendComm*>(c)->head + static_cast<SendComm*>(c)->eager_pending
+                                        : static_cast<RecvComm*>(c)->next;
     Status st = send_notice(c, NoticeWhat::kClosed, clean, started);
     if (st.code() == Code::kAgain) return false;  // no control buffer free: the next call tries
     if (!st.ok()) return true;                    // the other end cannot be reached
@@ -219,7 +222,7 @@ Status close_send(void* send_comm) {
   std::lock_guard<std::mutex> lock(d->mu);
   // CTS slots that arrived and were never matched: take their counts out of the engine.
   for (int i = 0; i < kSendRequests; ++i) c->dirty = c->dirty || c->reqs[i].in_use;
-  c->dirty = c->dirty || c->head_n >= 0 || c->inflight.load() != 0;
+  c->dirty = c->dirty || c->head_n >= 0 || c->eager_pending || c->inflight.load() != 0;
   retire_comm(d, c);
   return Status::Ok();
 }

@@ -225,7 +225,7 @@ Result<AcceptMsg> decode_accept(std::span<const uint8_t> b) {
     return Status(Code::kInvalidArgument, "ACCEPT: bad comm id %u", m.receiver_comm_id);
   if (get<uint32_t>(b.data() + 16) != 0)
     return Status(Code::kInvalidArgument, "ACCEPT: reserved field is %u", get<uint32_t>(b.data() + 16));
-  PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT", "record", kRecordArea));
+  PONTE_ASSIGN_OR_RETURN(m.records, decode_region(b.subspan(22, rlen), "ACCEPT", "record", kRecordRegionBytes));
   return m;
 }
 
@@ -284,7 +284,8 @@ uint64_t cts_seal(const uint8_t* p, size_t len, uint64_t seed) {
 static_assert(kCtsHeader % 8 == 0 && kCtsElemBytes % 8 == 0, "the seal hashes whole words");
 }  // namespace
 
-Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const CtsElem> elems, uint8_t* out) {
+Status encode_cts(uint32_t request_number, uint32_t oldest_open, uint64_t seal_seed, std::span<const CtsElem> elems,
+                  uint8_t* out) {
   if (elems.empty() || elems.size() > static_cast<size_t>(kMaxRecvs))
     return Status(Code::kInvalidArgument, "CTS: %zu buffers, must be 1..%d", elems.size(),
                   kMaxRecvs);
@@ -292,7 +293,9 @@ Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const C
   put_header(out, 'T', len);
   put<uint32_t>(out + 4, request_number);
   out[8] = static_cast<uint8_t>(elems.size());
-  std::memset(out + 9, 0, 15);
+  std::memset(out + 9, 0, 3);
+  put<uint32_t>(out + 12, oldest_open);
+  std::memset(out + 16, 0, 8);
   for (size_t i = 0; i < elems.size(); ++i) {
     uint8_t* e = out + kCtsHeader + i * kCtsElemBytes;
     const CtsElem& c = elems[i];
@@ -331,6 +334,8 @@ Result<int> read_cts(const uint8_t* slot, uint32_t expected_request_number, uint
   if (copy[0] != kWireVersion || copy[1] != 'T' || get<uint32_t>(copy + 4) != expected_request_number) return not_yet();
   return n;
 }
+
+uint32_t cts_oldest_open(const uint8_t* copy) { return get<uint32_t>(copy + 12); }
 
 Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* region) {
   const uint8_t* e = slot + kCtsHeader + static_cast<size_t>(i) * kCtsElemBytes;
@@ -382,6 +387,24 @@ void encode_blank_record(uint32_t request_number, uint8_t* out) {
 bool is_blank_record(const uint8_t* in, uint32_t request_number) {
   return in[16] == kWireVersion && in[17] == 'B' && get<uint16_t>(in + 18) == kRecordBytes &&
          get<uint32_t>(in + 12) == request_number;
+}
+
+void encode_eager(const EagerRecord& r, uint8_t* out) {
+  std::memset(out, 0, kRecordBytes);
+  put<uint64_t>(out, r.size);
+  put<uint64_t>(out + 8, r.request_number);
+  put<int32_t>(out + 16, r.tag);
+  put_header(out + 20, 'E', kRecordBytes);
+}
+
+bool read_eager(const uint8_t* in, uint64_t request_number, EagerRecord* r) {
+  if (in[20] != kWireVersion || in[21] != 'E' || get<uint16_t>(in + 22) != kRecordBytes ||
+      get<uint64_t>(in + 8) != request_number)
+    return false;
+  r->size = get<uint64_t>(in);
+  r->request_number = request_number;
+  r->tag = get<int32_t>(in + 16);
+  return true;
 }
 
 Result<SizeRecord> decode_record(const uint8_t* in) {

@@ -12,10 +12,11 @@
 
 namespace ponte::plugin {
 
-constexpr uint8_t kWireVersion = 6;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
+constexpr uint8_t kWireVersion = 7;  // 2: CTS elements may ask for inline data; 3: CONNECT carries a traffic class;
                                      // 4: the inline slot is offered (any buffer size), the sender picks;
                                      // 5: a message that fills its one buffer may come without a record;
-                                     // 6: the CTS is a plain write, sealed (no immediate)
+                                     // 6: the CTS is a plain write, sealed (no immediate);
+                                     // 7: the CTS names the receiver's oldest open request; eager slots
 
 // ---------------------------------------------------------------------------------------------
 // Limits of the protocol.
@@ -167,7 +168,9 @@ Result<NoticeMsg> decode_notice(std::span<const uint8_t> bytes);
 // still landing (old and new bytes mixed: no order of placement within a write is assumed), the
 // slot's previous CTS (another request number) and a zeroed slot all fail it.
 //   header (24): u8 version, u8 kind 'T', u16 length, u32 request number (low 32 bits), u8 n,
-//                7 pad, u64 seal (the hash of the cts_bytes(n) bytes with these 8 as zero)
+//                3 pad, u32 oldest open request (low 32 bits: the receiver's oldest request not
+//                yet ended when it wrote this CTS; every earlier one has ended: eager slots),
+//                u64 seal (the hash of the cts_bytes(n) bytes with these 8 as zero)
 constexpr size_t kCtsHeader = 24;
 constexpr size_t kCtsElemHeader = 32;
 constexpr size_t kCtsElemBytes = kCtsElemHeader + RemoteRegion::encoded_size(kMaxNicsPerDevice);
@@ -187,13 +190,17 @@ struct CtsElem {
 };
 
 // Writes one slot (header + n elements) into out (kCtsSlotBytes), sealed with `seal_seed` (the
-// pair's CONNECT token).
-Status encode_cts(uint32_t request_number, uint64_t seal_seed, std::span<const CtsElem> elems, uint8_t* out);
+// pair's CONNECT token). oldest_open: the receiver's oldest request not yet ended (request_number
+// itself when every earlier one has).
+Status encode_cts(uint32_t request_number, uint32_t oldest_open, uint64_t seal_seed, std::span<const CtsElem> elems,
+                  uint8_t* out);
 // Copies the CTS that `slot` (memory a peer writes) holds into `copy` (kCtsSlotBytes) and returns
 // its buffer count n (1..kMaxRecvs) when the copy is the whole CTS of `expected_request_number`
 // (version, kind, request number, length and seal); kAgain when it is not (yet): not written, the
 // slot's previous CTS, or a write still landing.
 Result<int> read_cts(const uint8_t* slot, uint32_t expected_request_number, uint64_t seal_seed, uint8_t* copy);
+// The oldest open request a slot copy that read_cts took names.
+uint32_t cts_oldest_open(const uint8_t* copy);
 // Reads element i of a slot copy that read_cts took (offset, size, tag and the decoded region).
 Status decode_cts_elem(const uint8_t* slot, int i, CtsElem* elem, RemoteRegion* region);
 
@@ -226,6 +233,28 @@ constexpr size_t record_offset(uint64_t request_number, int buffer) {
 constexpr size_t inline_slot_offset(uint64_t request_number) {
   return kRecordArea + static_cast<size_t>(request_number % kMaxRequests) * kInlineSlotBytes;
 }
+
+// Eager slots: after the inline slots, one per request slot, each an eager record followed by up
+// to kInlineMax data bytes: a small message sent before its CTS was read (plugin/README.md,
+// "eager"), with the request's record immediate. The sender writes slot n % 32 only when the CTS
+// it read last says request n - 32 ended at the receiver (its oldest open request is later), so
+// the slot and the request's immediate values are free. The record names its request by the
+// full 64-bit number, so an old record in the slot never passes for a new one.
+//   u64 size, u64 request number, i32 tag, u8 version, u8 kind 'E', u16 length (32), 8 pad
+constexpr size_t kEagerArea = kMaxRequests * kInlineSlotBytes;
+constexpr size_t kRecordRegionBytes = kRecordArea + kInlineArea + kEagerArea;  // the receiver's record region
+constexpr size_t eager_slot_offset(uint64_t request_number) {
+  return kRecordArea + kInlineArea + static_cast<size_t>(request_number % kMaxRequests) * kInlineSlotBytes;
+}
+struct EagerRecord {
+  uint64_t size = 0;
+  uint64_t request_number = 0;
+  int32_t tag = 0;
+  friend bool operator==(const EagerRecord&, const EagerRecord&) = default;
+};
+void encode_eager(const EagerRecord& r, uint8_t* out);
+// Whether in holds the eager record of request_number (then it is read into *r).
+bool read_eager(const uint8_t* in, uint64_t request_number, EagerRecord* r);
 
 struct SizeRecord {
   uint64_t size = 0;

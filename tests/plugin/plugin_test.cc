@@ -314,6 +314,192 @@ TEST_F(PluginTest, GroupedReceiveTagsPickTheSlot) {
   close_pair(net(), &p);
 }
 
+// Eager (plugin/README.md): once a CTS showed a one-buffer host receive, a message of at most
+// PONTE_NET_INLINE bytes for the same tag goes before its own receive is posted, into the request's
+// eager slot, and its send completes without the receiver. The receiver, posting later, finds it
+// there. 40 messages: every eager slot, some twice. A larger message still waits for its receive.
+// With PONTE_NET_EAGER=0 (ctest plugin_eager_off) every send waits for its receive; with
+// PONTE_NET_EAGER_NIC_COPY=1 (plugin_eager_nic_copy) the receiver moves the data from the slot
+// through a NIC, the path GPU buffers take.
+bool eager_on() {
+  const char* v = getenv("PONTE_NET_EAGER");
+  return !v || std::string(v) != "0";
+}
+
+// Calls isend for up to `limit`; the request, or nullptr when none came.
+void* try_isend(const Net& n, void* comm, void* data, size_t size, int tag, void* mh,
+                std::chrono::milliseconds limit) {
+  const auto deadline = Clock::now() + limit;
+  void* req = nullptr;
+  do {
+    if (n->isend(comm, data, size, tag, mh, nullptr, &req) != kSuccess) return nullptr;
+    if (!req) std::this_thread::yield();
+  } while (!req && Clock::now() < deadline);
+  return req;
+}
+
+TEST_F(PluginTest, EagerMessagesGoBeforeTheirReceiveIsPosted) {
+  const bool eager = eager_on();
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  Buffer src(net(), p.send, 8192), dst(net(), p.recv, 65536 + 1);
+  ASSERT_OK(src.result);
+  ASSERT_OK(dst.result);
+  transfer(p, 64, 65536, 1, 3);  // nothing predicts the first receive: it waits for its CTS
+  void* data[1] = {dst.data()};
+  size_t sizes[1] = {65536};
+  int tags[1] = {3};
+  void* mhs[1] = {dst.mh()};
+  for (int k = 0; k <= 40; ++k) {
+    SCOPED_TRACE(k);
+    const size_t len = k == 40 ? 5000 : k % 3 == 0 ? 4096 : 1 + 97 * static_cast<size_t>(k);
+    fill(src.data(), len, 100 + k);
+    std::memset(dst.data(), 0, 65536 + 1);
+    const bool expect = eager && len <= 4096;  // a wait for one that never comes can be short
+    void* sreq = try_isend(net(), p.send, src.data(), len, 3, src.mh(), std::chrono::milliseconds(expect ? 300 : 20));
+    if (expect) {
+      ASSERT_NE(sreq, nullptr) << len << " bytes waited for their receive";
+      int sent = -1;
+      ASSERT_OK(wait_request(net(), sreq, &sent));  // done with no receive posted
+      EXPECT_EQ(sent, static_cast<int>(len));
+    } else {
+      ASSERT_EQ(sreq, nullptr) << len << " bytes went before their receive (eager " << eager << ")";
+    }
+    void* rreq = nullptr;
+    ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
+    if (!sreq) {
+      ASSERT_OK(post_send(net(), p.send, src.data(), len, 3, src.mh(), &sreq));
+      int sent = -1;
+      ASSERT_OK(wait_request(net(), sreq, &sent));
+    }
+    int got[8] = {-1};
+    ASSERT_OK(wait_request(net(), rreq, got));
+    EXPECT_EQ(got[0], static_cast<int>(len));
+    EXPECT_EQ(mismatch(dst.data(), len, 100 + k), SIZE_MAX);
+    EXPECT_EQ(dst.data()[len], 0) << "wrote past the message";
+  }
+  close_pair(net(), &p);
+}
+
+// An eager message whose receive turns out to be grouped: its record names its tag, and the data
+// lands in that buffer; the sender, reading the CTS, sends the other buffers' messages as usual.
+TEST_F(PluginTest, EagerMessageIntoAGroupedReceive) {
+  const bool eager = eager_on();
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 64, 65536, 1, 5);  // the prediction: one host buffer, tag 5
+  const size_t lens[3] = {1000, 300, 70000};
+  const size_t caps[3] = {1000, 4096, 70000};
+  int tags[3] = {4, 5, 6};
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  void* data[3];
+  size_t sizes[3];
+  void* mhs[3];
+  for (int i = 0; i < 3; ++i) {
+    src.push_back(std::make_unique<Buffer>(net(), p.send, lens[i]));
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, caps[i]));
+    fill(src[i]->data(), lens[i], 900 + i);
+    data[i] = dst[i]->data();
+    sizes[i] = caps[i];
+    mhs[i] = dst[i]->mh();
+  }
+  void* sreq[3] = {};
+  sreq[1] = try_isend(net(), p.send, src[1]->data(), lens[1], 5, src[1]->mh(), std::chrono::milliseconds(eager ? 300 : 20));
+  ASSERT_EQ(sreq[1] != nullptr, eager) << "the tag-5 message before its receive";
+  void* rreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, 3, data, sizes, tags, mhs, &rreq));
+  for (int i : {2, 0, 1}) {
+    if (!sreq[i]) ASSERT_OK(post_send(net(), p.send, src[i]->data(), lens[i], tags[i], src[i]->mh(), &sreq[i]));
+  }
+  for (void* r : sreq) ASSERT_OK(wait_request(net(), r, nullptr));
+  int got[8] = {-1, -1, -1};
+  ASSERT_OK(wait_request(net(), rreq, got));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(got[i], static_cast<int>(lens[i])) << "buffer " << i;
+    EXPECT_EQ(mismatch(dst[i]->data(), lens[i], 900 + i), SIZE_MAX) << "buffer " << i;
+  }
+  // The pair goes on: the grouped receive predicts none, the next message waits for its CTS.
+  transfer(p, 2000, 4096, 7, 5);
+  transfer(p, 100, 4096, 8, 5);
+  close_pair(net(), &p);
+}
+
+// An eager message for request n writes request n % 32's slot, and counts on its immediate value:
+// it waits until the CTS it read last says request n - 32 ended at the receiver. 32 receives
+// posted and filled, none tested: the 33rd message has no free slot and waits (for its own CTS,
+// which comes once the first receive ended).
+TEST_F(PluginTest, AnEagerMessageWaitsUntilItsSlotIsFree) {
+  if (!eager_on()) GTEST_SKIP() << "PONTE_NET_EAGER=0: no message goes eagerly";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  constexpr int kN = 33;  // NCCL_NET_MAX_REQUESTS (32) + 1
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  std::vector<void*> rreq(kN), sreq(kN);
+  void* data[1];
+  size_t sizes[1] = {4096};
+  int tags[1] = {2};
+  void* mhs[1];
+  for (int i = 0; i < kN; ++i) {
+    src.push_back(std::make_unique<Buffer>(net(), p.send, 100));
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, 4096));
+    fill(src[i]->data(), 100, 40 + i);
+  }
+  for (int i = 0; i < kN - 1; ++i) {
+    data[0] = dst[i]->data();
+    mhs[0] = dst[i]->mh();
+    ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq[i]));
+  }
+  for (int i = 0; i < kN - 1; ++i) {
+    ASSERT_OK(post_send(net(), p.send, src[i]->data(), 100, 2, src[i]->mh(), &sreq[i]));
+    ASSERT_OK(wait_request(net(), sreq[i], nullptr));
+  }
+  void* early = try_isend(net(), p.send, src[kN - 1]->data(), 100, 2, src[kN - 1]->mh(), std::chrono::milliseconds(200));
+  EXPECT_EQ(early, nullptr) << "message 32 went while request 0 still held its slot";
+  int got[8] = {-1};
+  ASSERT_OK(wait_request(net(), rreq[0], got));
+  EXPECT_EQ(got[0], 100);
+  EXPECT_EQ(mismatch(dst[0]->data(), 100, 40), SIZE_MAX);
+  data[0] = dst[kN - 1]->data();
+  mhs[0] = dst[kN - 1]->mh();
+  ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq[kN - 1]));
+  sreq[kN - 1] = early;
+  if (!early) ASSERT_OK(post_send(net(), p.send, src[kN - 1]->data(), 100, 2, src[kN - 1]->mh(), &sreq[kN - 1]));
+  ASSERT_OK(wait_request(net(), sreq[kN - 1], nullptr));
+  for (int i = 1; i < kN; ++i) {
+    got[0] = -1;
+    SCOPED_TRACE(i);
+    ASSERT_OK(wait_request(net(), rreq[i], got));
+    EXPECT_EQ(got[0], 100) << "receive " << i;
+    EXPECT_EQ(mismatch(dst[i]->data(), 100, 40 + i), SIZE_MAX) << "receive " << i;
+  }
+  close_pair(net(), &p);
+}
+
+// An eager message that its receive has no buffer for (a tag the receive does not hold: NCCL never
+// does this, a broken peer might) fails that receive with an error, not a hang or a wrong buffer.
+TEST_F(PluginTest, EagerMessageWithoutABufferOfItsTagFailsTheReceive) {
+  if (!eager_on()) GTEST_SKIP() << "PONTE_NET_EAGER=0: no message goes eagerly";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 64, 65536, 1, 5);
+  Buffer src(net(), p.send, 100), dst(net(), p.recv, 4096);
+  fill(src.data(), 100, 3);
+  void* sreq = try_isend(net(), p.send, src.data(), 100, 5, src.mh(), std::chrono::milliseconds(300));
+  ASSERT_NE(sreq, nullptr);
+  ASSERT_OK(wait_request(net(), sreq, nullptr));
+  void* data[1] = {dst.data()};
+  size_t sizes[1] = {4096};
+  int tags[1] = {6};
+  void* mhs[1] = {dst.mh()};
+  void* rreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
+  const NcclResult r = wait_request(net(), rreq, nullptr, std::chrono::seconds(20));
+  EXPECT_NE(r, kSuccess);
+  EXPECT_NE(r, kInternalError) << "the receive hung (the harness's deadline)";
+  EXPECT_EQ(mismatch(dst.data(), 1, 3), 0u) << "the message landed in a buffer of another tag";
+  close_pair(net(), &p);
+}
+
 TEST_F(PluginTest, BadInputGivesErrorsNotCrashes) {
   Handle zeros;
   void* comm = nullptr;

@@ -127,7 +127,7 @@ TEST(PluginWire, ConnectionMessagesRoundTrip) {
   AcceptMsg a;
   a.token = 55;
   a.receiver_comm_id = 9;
-  a.records = region(2, 0x2000, kRecordArea);
+  a.records = region(2, 0x2000, kRecordRegionBytes);
   auto an = encode_accept(a, buf);
   ASSERT_TRUE(an.ok());
   auto da = decode_accept({buf, an.value()});
@@ -189,10 +189,11 @@ TEST(PluginWire, CtsSlotRoundTrip) {
   elems[0] = CtsElem{0, 1000, 11, r4};
   elems[1] = CtsElem{4096, 4096, -5, r1};
   elems[2] = CtsElem{0, 0, 12, {}};  // zero-byte receive without a registration
-  ASSERT_TRUE(encode_cts(1234, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(1234, 1201, kSeal, elems, slot.data()).ok());
   auto n = read_cts(slot.data(), 1234, kSeal, copy.data());
   ASSERT_TRUE(n.ok()) << n.status().message();
   EXPECT_EQ(n.value(), 3);
+  EXPECT_EQ(cts_oldest_open(copy.data()), 1201u);  // the receiver's oldest open request
   EXPECT_EQ(read_cts(slot.data(), 1235, kSeal, copy.data()).status().code(), Code::kAgain) << "another request's CTS";
   EXPECT_EQ(read_cts(slot.data(), 1234, kSeal + 1, copy.data()).status().code(), Code::kAgain)
       << "another pair's CTS (a comm closed before)";
@@ -209,13 +210,13 @@ TEST(PluginWire, CtsSlotRoundTrip) {
   EXPECT_EQ(e.size, 0u);
   // A buffer that does not fit its region is refused.
   elems[1].offset = 8000;
-  ASSERT_TRUE(encode_cts(1, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(1, 1, kSeal, elems, slot.data()).ok());
   ASSERT_TRUE(read_cts(slot.data(), 1, kSeal, copy.data()).ok());
   EXPECT_FALSE(decode_cts_elem(copy.data(), 1, &e, &r).ok());
   // Bad counts.
   std::vector<CtsElem> nine(9, elems[0]);
-  EXPECT_FALSE(encode_cts(1, kSeal, nine, slot.data()).ok());
-  EXPECT_FALSE(encode_cts(1, kSeal, {}, slot.data()).ok());
+  EXPECT_FALSE(encode_cts(1, 1, kSeal, nine, slot.data()).ok());
+  EXPECT_FALSE(encode_cts(1, 1, kSeal, {}, slot.data()).ok());
   std::vector<uint8_t> zeros(kCtsSlotBytes, 0);
   EXPECT_EQ(read_cts(zeros.data(), 0, kSeal, copy.data()).status().code(), Code::kAgain) << "a fresh slot";
   EXPECT_EQ(read_cts(zeros.data(), 0, 0, copy.data()).status().code(), Code::kAgain) << "a fresh slot, seed 0";
@@ -230,9 +231,9 @@ TEST(PluginWire, CtsHalfLandedIsNotYetInEveryOrder) {
   const auto r1 = region(1, 0x9000, 8192).encode();
   std::vector<CtsElem> two = {CtsElem{0, 1000, 7, r4}, CtsElem{64, 100, 8, r1}};
   std::vector<uint8_t> old_cts(kCtsSlotBytes, 0), new_cts(kCtsSlotBytes, 0), slot(kCtsSlotBytes), copy(kCtsSlotBytes);
-  ASSERT_TRUE(encode_cts(5, kSeal, two, old_cts.data()).ok());  // request 5, two buffers
+  ASSERT_TRUE(encode_cts(5, 5, kSeal, two, old_cts.data()).ok());  // request 5, two buffers
   two[1].size = 200;
-  ASSERT_TRUE(encode_cts(37, kSeal, two, new_cts.data()).ok());  // request 37, the same slot
+  ASSERT_TRUE(encode_cts(37, 37, kSeal, two, new_cts.data()).ok());  // request 37, the same slot
   const size_t len = cts_bytes(2);
   int seen = 0;
   for (size_t from = 0; from < len; ++from)
@@ -271,10 +272,10 @@ TEST(PluginWire, CtsWritesOnlyItsElementsOverAStaleSlot) {
   const auto r1 = region(1, 0x9000, 8192).encode();
   std::vector<CtsElem> eight(kMaxRecvs, CtsElem{0, 1000, 7, r4});
   std::vector<uint8_t> sender_slot(kCtsSlotBytes, 0), copy(kCtsSlotBytes);
-  ASSERT_TRUE(encode_cts(5, kSeal, eight, sender_slot.data()).ok());  // request 5: eight buffers
+  ASSERT_TRUE(encode_cts(5, 5, kSeal, eight, sender_slot.data()).ok());  // request 5: eight buffers
   std::vector<uint8_t> fresh(kCtsSlotBytes, 0xee);
   CtsElem one[1] = {CtsElem{4096, 2048, 3, r1}};
-  ASSERT_TRUE(encode_cts(37, kSeal, one, fresh.data()).ok());  // request 37, the same slot: one buffer
+  ASSERT_TRUE(encode_cts(37, 37, kSeal, one, fresh.data()).ok());  // request 37, the same slot: one buffer
   for (size_t i = cts_bytes(1); i < kCtsSlotBytes; ++i)
     ASSERT_EQ(fresh[i], 0xee) << "encode_cts wrote byte " << i << " past its element";
   std::memcpy(sender_slot.data(), fresh.data(), cts_bytes(1));  // what the write lands
@@ -294,7 +295,7 @@ TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   std::vector<uint8_t> slot(kCtsSlotBytes, 0);
   const auto r1 = region(1, 0x9000, 8192).encode();
   CtsElem elems[2] = {CtsElem{0, kInlineMax, 3, r1, true}, CtsElem{0, 8192, 4, r1, false}};
-  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, 7, kSeal, elems, slot.data()).ok());
   CtsElem e;
   RemoteRegion r;
   ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
@@ -307,12 +308,12 @@ TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   const auto r4 = region(1, 0x9000, 8 << 20).encode();
   elems[0].size = 4 << 20;
   elems[0].region = r4;
-  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, 7, kSeal, elems, slot.data()).ok());
   ASSERT_TRUE(decode_cts_elem(slot.data(), 0, &e, &r).ok());
   EXPECT_TRUE(e.inline_data);
   EXPECT_EQ(e.size, 4u << 20);
   // Unknown flag bits are refused.
-  ASSERT_TRUE(encode_cts(7, kSeal, elems, slot.data()).ok());
+  ASSERT_TRUE(encode_cts(7, 7, kSeal, elems, slot.data()).ok());
   slot[kCtsHeader + kCtsElemBytes + 20] = 0x02;  // element 1's flags
   EXPECT_FALSE(decode_cts_elem(slot.data(), 1, &e, &r).ok());
   // Records: 8 per request slot, request numbers wrap at 32; inline slots follow them, no overlap.
@@ -323,6 +324,29 @@ TEST(PluginWire, CtsInlineOfferRoundTripsForAnyBufferSize) {
   EXPECT_EQ(inline_slot_offset(0), kRecordArea);
   EXPECT_EQ(inline_slot_offset(kMaxRequests + 1), kRecordArea + kInlineSlotBytes);
   EXPECT_EQ(inline_slot_offset(kMaxRequests - 1) + kInlineSlotBytes, kRecordArea + kInlineArea);
+  // Eager slots follow the inline slots and end the record region.
+  EXPECT_EQ(eager_slot_offset(0), kRecordArea + kInlineArea);
+  EXPECT_EQ(eager_slot_offset(kMaxRequests + 1), kRecordArea + kInlineArea + kInlineSlotBytes);
+  EXPECT_EQ(eager_slot_offset(kMaxRequests - 1) + kInlineSlotBytes, kRecordRegionBytes);
+}
+
+// An eager record names its request by the full 64-bit number: the slot's record of request n - 32,
+// or of n - 2^32 (the same low 32 bits), is not request n's; nor is a size record or a blank.
+TEST(PluginWire, EagerRecordIsOnlyItsOwnRequests) {
+  uint8_t b[kRecordBytes];
+  const uint64_t n = (1ull << 32) + 40;
+  encode_eager(EagerRecord{4096, n, -3}, b);
+  EagerRecord r;
+  ASSERT_TRUE(read_eager(b, n, &r));
+  EXPECT_EQ(r, (EagerRecord{4096, n, -3}));
+  EXPECT_FALSE(read_eager(b, n + 32, &r)) << "the next request of the slot";
+  EXPECT_FALSE(read_eager(b, n - (1ull << 32), &r)) << "the same low 32 bits";
+  encode_record(SizeRecord{100, 0, static_cast<uint32_t>(n)}, b);
+  EXPECT_FALSE(read_eager(b, n, &r)) << "a size record";
+  encode_blank_record(static_cast<uint32_t>(n), b);
+  EXPECT_FALSE(read_eager(b, n, &r)) << "a blank";
+  uint8_t zeros[kRecordBytes] = {};
+  EXPECT_FALSE(read_eager(zeros, 0, &r)) << "a slot never written";
 }
 
 TEST(PluginWire, SizeRecordRoundTrip) {
