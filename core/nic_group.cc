@@ -1,6 +1,7 @@
 // NicGroup's lifecycle and submission: construction, start (listen socket, receive buffers, the
 // worker thread), stop (also of a wedged group), and submit / run_on_worker from any thread.
 #include "core/nic_group.h"
+#include "core/watchdog.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -34,6 +35,7 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
   // Every provider call is marked for the watchdog (core/watchdog.h).
   for (auto& n : nics_) n = std::make_unique<WatchedNic>(std::move(n), &guard_);
   pollers_post_ = pollers_may_post(nics_);
+  rescue_ = !pollers_post_ && poller_rescue::install();
   fault_drops_left_ = cfg.fault_drop_recvs;
   fault_connects_left_ = cfg.fault_failed_connects;
   free_slots_.reserve(slots_.size());

@@ -2,6 +2,8 @@
 // handshake state machine, in-flight operations and immediate counters. Internal to core/.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -216,6 +218,9 @@ class NicGroup {
   uint32_t worker_pass(PassState& st);  // one pass under the token; how long to sleep after (us)
   uint32_t poller_sleep(PassState& st) const;  // the next sleep while a thread polls (grows)
   bool poller_pass(bool reap);           // progress() and start_submitted(): one pass under the token
+  bool pass_holding_token(bool reap);    // its body, the token taken (released unless wedged)
+  void disarm_escape();                  // a poller's pass ends (rescue_)
+  void rescue_poller();                  // the watchdog, having claimed a call (rescue_)
   bool take_token();                     // try
   bool hold_token();                     // the worker's last take, for linger and stop(); false: wedged
   void release_token();
@@ -347,6 +352,13 @@ class NicGroup {
   std::atomic<bool> worker_exited_{false};
   bool abandoned_ = false;
   bool pollers_post_ = true;               // see pollers_may_post (nic_group_worker.cc)
+  // A polling thread stuck in a claimed provider call is sent back (core/watchdog.h, PollerRescue):
+  // where pollers do not post (shm) and the signal is free. The state: idle, armed (a pass is on,
+  // escape_thread_ set), signalling (the watchdog is sending it), signalled.
+  bool rescue_ = false;
+  static constexpr uint8_t kEscapeIdle = 0, kEscapeArmed = 1, kEscapeSignalling = 2, kEscapeSignalled = 3;
+  std::atomic<uint8_t> escape_state_{kEscapeIdle};
+  pthread_t escape_thread_{};
   char wedge_why_[96] = {0};               // written before wedged_ is set
   uint64_t watch_word_ = 0;                // the watchdog thread's: the call seen, since when
   std::chrono::steady_clock::time_point watch_since_;

@@ -201,6 +201,7 @@ void NicGroup::take_over(uint64_t call_word, long long stuck_ms) {
     for (auto& sock : peers_[i].sock) sock.close();
   for (auto& ps : pending_) ps.sock->close();
   taken_over_.store(true, std::memory_order_release);
+  rescue_poller();  // a polling thread (NCCL's proxy in test()) in the claimed call goes back
 }
 
 void NicGroup::refuse_queued() {

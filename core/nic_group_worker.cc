@@ -4,6 +4,11 @@
 // for a thread whose provider call the watchdog claimed (core/watchdog.h).
 #include "core/nic_group.h"
 
+#include <pthread.h>
+
+#include <csetjmp>
+#include <csignal>
+
 #include <sys/epoll.h>
 
 #include <algorithm>
@@ -201,6 +206,43 @@ bool NicGroup::poller_pass(bool reap) {
     if (reap) std::this_thread::yield();
     return false;
   }
+  if (!rescue_) return pass_holding_token(reap);
+  // Where a provider call may never return (shm), the watchdog can send this thread back here
+  // from a call it claimed (core/watchdog.h, PollerRescue): the group is wedged then, its token
+  // taken for good, as after GroupWedged.
+  sigjmp_buf escape;
+  if (sigsetjmp(escape, 0) != 0) {
+    tls_holder = nullptr;
+    disarm_escape();
+    return false;
+  }
+  escape_thread_ = pthread_self();
+  escape_state_.store(kEscapeArmed, std::memory_order_release);
+  poller_rescue::set_escape(&escape);
+  const bool did = pass_holding_token(reap);
+  disarm_escape();
+  return did;
+}
+
+void NicGroup::disarm_escape() {
+  poller_rescue::set_escape(nullptr);
+  uint8_t armed = kEscapeArmed;
+  if (escape_state_.compare_exchange_strong(armed, kEscapeIdle, std::memory_order_acq_rel)) return;
+  // The watchdog is sending the signal: this thread stays until it has (it must not be gone).
+  while (escape_state_.load(std::memory_order_acquire) == kEscapeSignalling) std::this_thread::yield();
+  escape_state_.store(kEscapeIdle, std::memory_order_relaxed);
+}
+
+// The watchdog, having claimed a call: lets a polling thread in it go (the signal's handler jumps
+// back into poller_pass when the thread is inside the claimed provider call).
+void NicGroup::rescue_poller() {
+  uint8_t armed = kEscapeArmed;
+  if (!rescue_ || !escape_state_.compare_exchange_strong(armed, kEscapeSignalling, std::memory_order_acq_rel)) return;
+  pthread_kill(escape_thread_, poller_rescue::signal_number());
+  escape_state_.store(kEscapeSignalled, std::memory_order_release);
+}
+
+bool NicGroup::pass_holding_token(bool reap) {
   bool did = false;
   try {
     if (!stop_.load(std::memory_order_acquire) && !wedged_.load(std::memory_order_acquire)) {
@@ -225,7 +267,7 @@ bool NicGroup::poller_pass(bool reap) {
 
 bool NicGroup::start_submitted() {
   if (!pollers_post_ || tls_holder != nullptr) return false;
-  return poller_pass(false);
+  return poller_pass(false);  // (no rescue needed: where a call may not return, pollers do not post)
 }
 
 void NicGroup::stop_polling() {

@@ -3,15 +3,57 @@
 
 #include <pthread.h>
 
+#include <csetjmp>
+#include <csignal>
+
 #include <algorithm>
 
+#include "core/log.h"
 #include "core/nic_group.h"
 
 namespace ponte {
 
 namespace {
 thread_local int tls_nested = 0;  // engine calls made from a callback, on this thread
+
+void rescue_handler(int) {
+  using poller_rescue::tls_escape;
+  using poller_rescue::tls_in_call;
+  // Only a thread inside a provider call of a pass, not inside a callback's engine call: anywhere
+  // else the jump would cross frames that own something. Elsewhere the signal does nothing (a
+  // call that returned just now leaves through GroupWedged instead).
+  if (tls_escape && tls_in_call && tls_nested == 0) {
+    sigjmp_buf* to = tls_escape;
+    tls_escape = nullptr;
+    tls_in_call = 0;
+    siglongjmp(*to, 1);
+  }
+}
 }  // namespace
+
+namespace poller_rescue {
+int signal_number() { return SIGRTMAX - 3; }
+bool install() {
+  static const bool ok = [] {
+    struct sigaction old{};
+    if (sigaction(signal_number(), nullptr, &old) != 0) return false;
+    const bool taken = (old.sa_flags & SA_SIGINFO) ? old.sa_sigaction != nullptr : old.sa_handler != SIG_DFL;
+    if (taken) {
+      PONTE_LOG_WARN("signal %d has a handler already: a polling thread stuck in a provider call cannot be "
+                     "let go (the watchdog still ends its group's operations)", signal_number());
+      return false;
+    }
+    struct sigaction sa{};
+    sa.sa_handler = rescue_handler;
+    sigemptyset(&sa.sa_mask);
+    // SA_NODEFER: the signal is not blocked while the handler runs, so the jump (which saves and
+    // restores no mask: sigsetjmp(..., 0) costs no system call per pass) leaves no mask behind.
+    sa.sa_flags = SA_NODEFER;
+    return sigaction(signal_number(), &sa, nullptr) == 0;
+  }();
+  return ok;
+}
+}  // namespace poller_rescue
 
 CallGuard::Nested::Nested() { tls_nested++; }
 CallGuard::Nested::~Nested() { tls_nested--; }

@@ -37,7 +37,24 @@
 // completions and leaves posting to the worker (NicGroup::pollers_may_post). And a memory region
 // of an operation that was being posted by the stuck call may still be read by the provider if
 // that call ever completes.
+//
+// A polling thread stuck while reaping is let go (PollerRescue): on shm a peer stopped while it
+// wrote into this endpoint's region holds this endpoint's lock, and fi_cq_read spins on it too
+// (NCCL's proxy thread hung in test() there, its requests never ending: about one run in 12 of
+// PluginStopped.ReceiverStoppedTheSendersRequestsErrorInTime/shm). Where pollers only reap, each
+// pass of a polling thread marks where it may be sent back to (sigsetjmp, no signal mask saved);
+// the watchdog, having claimed a call made on such a pass, sends that thread PollerRescue's signal,
+// and the handler, on a thread that is inside the claimed provider call (WatchedNic marks each
+// call) and not inside a callback's engine call, jumps back: progress() returns false, the group
+// wedged. What the jump leaves behind is the provider's: locks it held for the call stay held, and
+// the wedged group never enters that provider object again (Engine keeps it, never frees it). The
+// C++ frames jumped over (WatchedNic, the backend's poll, NicGroup::poll_nics) own nothing that
+// needs destroying on that path. The signal is SIGRTMAX - 3, taken only when its disposition is
+// SIG_DFL (an application's own use of it turns the rescue off, logged once).
 #pragma once
+
+#include <csetjmp>
+#include <csignal>
 
 #include <atomic>
 #include <chrono>
@@ -57,6 +74,20 @@ class NicGroup;
 // Thrown by a WatchedNic into a thread whose provider call was claimed; caught by the worker loop
 // and progress(). Deliberately not a std::exception.
 struct GroupWedged {};
+
+// Letting a polling thread out of a claimed provider call (see above).
+namespace poller_rescue {
+// Installs the signal handler once per process; false when the signal is not free.
+bool install();
+// The signal the watchdog sends.
+int signal_number();
+// A polling thread's pass: where the handler jumps back to (nullptr: nowhere, outside a pass).
+inline thread_local sigjmp_buf* tls_escape = nullptr;
+// Inside a provider call, on this thread (WatchedNic marks each one).
+inline thread_local volatile sig_atomic_t tls_in_call = 0;
+inline void set_escape(sigjmp_buf* target) { tls_escape = target; }
+inline void set_in_call(bool in) { tls_in_call = in ? 1 : 0; }
+}  // namespace poller_rescue
 
 class CallGuard {
  public:
@@ -112,7 +143,9 @@ class WatchedNic final : public Nic {
   template <typename F>
   auto call(CallGuard::Call c, F&& f) -> decltype(f()) {
     const uint64_t e = guard_->enter(c);
+    poller_rescue::set_in_call(true);
     auto r = f();
+    poller_rescue::set_in_call(false);
     guard_->leave(e);
     return r;
   }

@@ -5,7 +5,10 @@
 // that returns in time changes nothing. Deterministic: no provider, no second process.
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+
 #include <atomic>
+#include <csignal>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -36,13 +39,22 @@ class FakeNic final : public Nic {
     bool block = false;  // register_memory waits while set
     std::atomic<int> blocked{0};  // threads waiting in it
     std::chrono::milliseconds hold{0};  // with block: return after this long (0: until released)
+    // poll() from this thread spins (sleeping 1 ms at a time) while block_poll is set: shm's
+    // fi_cq_read on a lock a stopped peer holds. Other threads' polls go through.
+    std::atomic<bool> block_poll{false};
+    std::atomic<std::thread::id> poll_thread{};
+    std::atomic<int> poll_blocked{0};
     void release() {
       std::lock_guard<std::mutex> l(mu);
       block = false;
       cv.notify_all();
     }
   };
-  explicit FakeNic(Gate* gate) : gate_(gate) { info_.name = "fake"; info_.provider = "fake"; }
+  explicit FakeNic(Gate* gate, bool may_block_on_peer = false) : gate_(gate) {
+    info_.name = "fake";
+    info_.provider = "fake";
+    info_.post_may_block_on_peer = may_block_on_peer;  // as shm: pollers only reap
+  }
   const NicInfo& info() const override { return info_; }
   std::span<const uint8_t> address() const override { return addr_; }
   Result<NicPeer> add_peer(std::span<const uint8_t>) override { return next_peer_++; }
@@ -65,6 +77,11 @@ class FakeNic final : public Nic {
   Status post_send(NicPeer, const void*, size_t, void*, uint32_t, uint64_t, bool) override { return Status::Ok(); }
   Status post_recv(void*, size_t, void*, uint64_t) override { return Status::Ok(); }
   int poll(Completion* out, int max) override {
+    if (gate_->block_poll && gate_->poll_thread.load() == std::this_thread::get_id()) {
+      gate_->poll_blocked++;
+      while (gate_->block_poll) std::this_thread::sleep_for(1ms);
+      gate_->poll_blocked--;
+    }
     uint32_t imm = inject_.exchange(0);
     if (imm == 0 || max < 1) return 0;
     out[0] = Completion{0, imm, 0, CompletionKind::kRemoteWrite, Code::kOk};
@@ -136,13 +153,15 @@ struct Rig {
   RemoteRegion remote;
   std::vector<uint8_t> buf = std::vector<uint8_t>(1 << 16);
 
+  bool may_block_on_peer = false;  // the fake NIC says so (shm's case)
+
   void start() {
     Config cfg = global_config();
     cfg.timeout_ms = kTimeoutMs;
     cfg.ctrl_addr = "127.0.0.1";
     cfg.recv_buf_count = 2;
     std::vector<std::unique_ptr<Nic>> nics;
-    auto n = std::make_unique<FakeNic>(&gate);
+    auto n = std::make_unique<FakeNic>(&gate, may_block_on_peer);
     nic = n.get();
     nics.push_back(std::move(n));
     group = std::make_unique<NicGroup>(0, cfg, std::move(nics), BackendKind::kFabric, 0x1234);
@@ -269,6 +288,63 @@ TEST(Watchdog, StuckProviderCallWedgesTheGroupAndEverythingEndsOnce) {
   auto t2 = Clock::now();
   s.finish();
   EXPECT_LT(Clock::now() - t2, 1s) << "stopping a wedged group took that long";
+}
+
+// A polling thread (NCCL's proxy in test()) stuck in a provider call where calls may block on a
+// peer (shm: fi_cq_read spinning on a lock a stopped peer holds) is let go: once the watchdog
+// claimed the call, progress() returns false on that thread, within the timeout, and later calls
+// return at once. Without it the thread stayed in the call for good (core/watchdog.h).
+TEST(Watchdog, PollerStuckInAProviderCallIsLetGo) {
+  Rig s;
+  s.may_block_on_peer = true;
+  ASSERT_NO_FATAL_FAILURE(s.start());
+  NicGroup& g = *s.group;
+  Fires fires(4);
+  for (int i = 0; i < 4; i++) ASSERT_TRUE(g.submit(s.write(fires.notify(i))).ok());
+  std::atomic<bool> returned{false};
+  std::atomic<long long> stuck_for_ms{-1};
+  std::atomic<bool> later_at_once{false};
+  std::atomic<bool> signal_left_blocked{true};
+  std::thread poller([&] {
+    s.gate.poll_thread = std::this_thread::get_id();
+    s.gate.block_poll = true;
+    const auto give_up = Clock::now() + 5s;
+    Clock::time_point entered;
+    for (;;) {  // until a pass of this thread enters the (blocking) poll, then until it returns
+      const auto before = Clock::now();
+      g.progress();
+      if (s.gate.poll_blocked.load() > 0 || Clock::now() - before > 500ms) {
+        entered = before;
+        break;
+      }
+      if (Clock::now() > give_up) return;
+      std::this_thread::yield();
+    }
+    stuck_for_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - entered).count();
+    sigset_t mask;
+    pthread_sigmask(SIG_BLOCK, nullptr, &mask);
+    signal_left_blocked = sigismember(&mask, poller_rescue::signal_number()) == 1;  // a second rescue would not come
+    returned = true;
+    const auto t = Clock::now();
+    const bool again = g.progress();
+    later_at_once = !again && Clock::now() - t < 100ms;
+  });
+  const bool back = wait_until([&] { return returned.load(); }, 3 * std::chrono::milliseconds(kTimeoutMs));
+  if (!back) s.gate.block_poll = false;  // let it out by the provider's own return, then fail
+  poller.join();
+  ASSERT_TRUE(back) << "the polling thread stayed in the provider call";
+  EXPECT_GE(stuck_for_ms, kTimeoutMs - 50) << "let go before the call was claimed";
+  EXPECT_LT(stuck_for_ms, kTimeoutMs + 1000);
+  EXPECT_TRUE(later_at_once);
+#if !defined(__SANITIZE_THREAD__)  // TSan runs handlers from its own, its mask its business
+  EXPECT_FALSE(signal_left_blocked) << "the rescue left its signal blocked on the thread";
+#endif
+  EXPECT_FALSE(g.wedge_status().ok());
+  EXPECT_TRUE(wait_until([&] { return fires.fired() == 4; }, 1s));
+  for (int i = 0; i < 4; i++) EXPECT_EQ(fires.code[i], static_cast<int>(Code::kTimeout)) << i;
+  EXPECT_TRUE(fires.all_once());
+  s.gate.block_poll = false;
+  s.finish();
 }
 
 // A call that returns within the timeout is not a wedge: the work behind it goes on.
