@@ -619,19 +619,23 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           note_error(q, self.status());
           return Status::Ok();
         }
-        if (!start_op(c, q)) {
-          note_error(q, refusal(c));
+        if (!start_op(c, q)) {  // the other end asked this one to stop: nothing more starts here
+          const Status why = refusal(c);
+          note_error(q, why.ok() ? Status(Code::kPeerDead, "the other end stopped this connection") : why);
           return Status::Ok();
         }
+        hold(q, m);  // a deregMr of the buffer waits for the write (MrEntry::users)
         Status st = e.write(d->group, self.value(),
                             LocalSlice{&rc->mrs[0], eager_slot_offset(q->number) + kRecordBytes, q->received[eb]},
-                            m->remote, reinterpret_cast<uintptr_t>(q->dst[eb]) - m->start, Notify{&op_done, q});
+                            m->remote, reinterpret_cast<uintptr_t>(q->dst[eb]) - m->start, Notify{&held_done, q});
         if (st.code() == Code::kAgain) {
+          release_held(q);
           undo_op(c, q);
           return Status::Ok();  // the next test() tries again
         }
         q->eager_copying = true;
         if (!st.ok()) {
+          release_held(q);
           undo_op(c, q);
           note_error(q, st);
           return Status::Ok();
