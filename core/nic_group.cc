@@ -32,10 +32,11 @@ NicGroup::NicGroup(int index, const Config& cfg, std::vector<std::unique_ptr<Nic
       imm_(kImmTableSize, cfg.max_inflight, dense_imm_values),
       ping_after_(std::max<uint32_t>(cfg.timeout_ms / 4, 1)),
       silence_limit_(cfg.timeout_ms) {
-  // Every provider call is marked for the watchdog (core/watchdog.h).
-  for (auto& n : nics_) n = std::make_unique<WatchedNic>(std::move(n), &guard_);
+  // Every provider call is marked for the watchdog (core/watchdog.h), and, where a polling thread
+  // stuck in one can be let go (pollers only reap there), for the rescue's signal handler too.
   pollers_post_ = pollers_may_post(nics_);
   rescue_ = !pollers_post_ && poller_rescue::install();
+  for (auto& n : nics_) n = std::make_unique<WatchedNic>(std::move(n), &guard_, rescue_);
   fault_drops_left_ = cfg.fault_drop_recvs;
   fault_connects_left_ = cfg.fault_failed_connects;
   free_slots_.reserve(slots_.size());

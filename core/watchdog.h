@@ -137,15 +137,18 @@ class CallGuard {
 // Nic must be forwarded here too (a defaulted virtual would otherwise bypass the backend).
 class WatchedNic final : public Nic {
  public:
-  WatchedNic(std::unique_ptr<Nic> inner, CallGuard* guard) : inner_(std::move(inner)), guard_(guard) {}
+  // mark_calls: each call is also marked for PollerRescue's handler (a thread-local store on each
+  // side); only where a polling thread can be let go.
+  WatchedNic(std::unique_ptr<Nic> inner, CallGuard* guard, bool mark_calls = false)
+      : inner_(std::move(inner)), guard_(guard), mark_calls_(mark_calls) {}
 
  private:
   template <typename F>
   auto call(CallGuard::Call c, F&& f) -> decltype(f()) {
     const uint64_t e = guard_->enter(c);
-    poller_rescue::set_in_call(true);
+    if (mark_calls_) poller_rescue::set_in_call(true);
     auto r = f();
-    poller_rescue::set_in_call(false);
+    if (mark_calls_) poller_rescue::set_in_call(false);
     guard_->leave(e);
     return r;
   }
@@ -209,6 +212,7 @@ class WatchedNic final : public Nic {
  private:
   std::unique_ptr<Nic> inner_;
   CallGuard* guard_;
+  bool mark_calls_;
 };
 
 // One thread per engine: every period it looks at each group (NicGroup::watchdog_check). It owns

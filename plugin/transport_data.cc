@@ -119,6 +119,29 @@ Status post_record(SendComm* c, SendRequest* r) {
   return st;
 }
 
+// The free send request that isend hands out next, reset for a message of `size` bytes for
+// request `head` (its record immediate). Taken off the free list by the caller once it posted.
+SendRequest* next_send_request(SendComm* c, size_t size) {
+  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
+  r->error.store(0, std::memory_order_relaxed);
+  r->pending.store(0, std::memory_order_relaxed);
+  r->size = size;
+  r->record_unsubmitted = false;
+  r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  return r;
+}
+
+// Posts r's record (or eager) write; with the engine's queue full test() posts it later, and a
+// failure is test()'s to report (after the request's other writes end).
+void post_record_or_defer(SendComm* c, SendRequest* r) {
+  Status st = post_record(c, r);
+  if (st.code() == Code::kAgain) {
+    r->record_unsubmitted = true;
+  } else if (!st.ok()) {
+    note_error(r, st);
+  }
+}
+
 // isend / irecv on a comm that can no longer move data (the pair broke, here or at the other end,
 // or the other end closed): the request is handed out failed, and test() reports why, as NCCL's
 // own transports report a connection's failure (net_ib: the write fails at test()). NCCL abandons
@@ -163,8 +186,8 @@ Status failed_recv(RecvComm* c, const Status& why, void** request) {
 // says request head - 32 ended at the receiver (its oldest open request is later).
 bool eager_fits(SendComm* c, const void* data, size_t size, int tag, void* mhandle) {
   const Config& cfg = global_config();
-  if (!cfg.net_eager || !c->last_cts_one_host || size > cfg.net_inline || size > c->last_cts_size ||
-      tag != c->last_cts_tag || c->free_count == 0)
+  if (!cfg.net_eager || !c->last_cts_one_host || size > cfg.net_inline || size > c->elems[0].size ||
+      tag != c->elems[0].tag || c->free_count == 0)
     return false;
   if (static_cast<uint32_t>(c->head) - c->last_cts_oldest >= static_cast<uint32_t>(kMaxRequests)) return false;
   const int user = c->inline_user[c->head % kMaxRequests];
@@ -180,23 +203,13 @@ bool eager_fits(SendComm* c, const void* data, size_t size, int tag, void* mhand
 Status send_eager(SendComm* c, const void* data, size_t size, int tag, void** request) {
   Engine& e = *c->dev->engine;
   const size_t islot = c->head % kMaxRequests;
-  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
-  r->error.store(0, std::memory_order_relaxed);
-  r->pending.store(0, std::memory_order_relaxed);
-  r->size = size;
-  r->record_unsubmitted = false;
-  r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  SendRequest* r = next_send_request(c, size);
   r->record_src_offset = static_cast<size_t>(kSendRequests) * kRecordBytes + islot * kInlineSlotBytes;
   r->record_dst_offset = eager_slot_offset(c->head);
   r->record_len = kRecordBytes + size;
   encode_eager(EagerRecord{size, c->head, tag}, c->outbox.ptr + r->record_src_offset);
   if (size > 0) std::memcpy(c->outbox.ptr + r->record_src_offset + kRecordBytes, data, size);
-  Status st = post_record(c, r);
-  if (st.code() == Code::kAgain) {
-    r->record_unsubmitted = true;  // test() posts it
-  } else if (!st.ok()) {
-    note_error(r, st);
-  }
+  post_record_or_defer(c, r);
   e.start_submitted(c->dev->group);
   c->inline_user[islot] = r->index;
   --c->free_count;
@@ -236,9 +249,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
     c->matched = 0;
     // What this receive was predicts the next one (eager_fits).
     c->last_cts_one_host = c->head_n == 1 && c->elems[0].inline_data;
-    c->last_cts_size = c->elems[0].size;
-    c->last_cts_tag = c->elems[0].tag;
-    c->last_cts_oldest = cts_oldest_open(c->cts_copy);
+    c->last_cts_oldest = cts_oldest_open(c->cts_copy);  // (cts_copy: a failed read_cts overwrites it)
     if (c->eager_pending) {  // one of its buffers has its message already: the eager one's tag
       c->eager_pending = false;
       int j = 0;
@@ -278,13 +289,8 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
       c->reqs[c->inline_user[islot]].pending.load(std::memory_order_acquire) != 0)
     return Status::Ok();  // the slot's previous inline write is still being sent
 
-  SendRequest* r = &c->reqs[c->free_list[c->free_count - 1]];
-  r->error.store(0, std::memory_order_relaxed);
-  r->pending.store(0, std::memory_order_relaxed);
-  r->size = len;
+  SendRequest* r = next_send_request(c, len);
   r->dst = c->regions[i];
-  r->record_unsubmitted = false;
-  r->record_imm = imm_value(true, c->remote_comm_id, c->head);
   if (!whole) {
     SizeRecord rec;
     rec.size = len;
@@ -314,12 +320,7 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
       return st;
     }
   }
-  Status st = whole ? Status::Ok() : post_record(c, r);
-  if (st.code() == Code::kAgain) {
-    r->record_unsubmitted = true;  // test() posts it
-  } else if (!st.ok()) {
-    note_error(r, st);  // test() reports it (after the data write ends)
-  }
+  if (!whole) post_record_or_defer(c, r);
   // A small message goes on the wire now, not at the next test(): a proxy thread that polls
   // (NCCL's) leaves what it submits to its next progress() pass, one provider poll later (a
   // syscall on tcp). Not a large one: posting 4 MiB here cost the bandwidth row 15-25 % on tcp.

@@ -215,12 +215,11 @@ struct SendComm : CommBase {
   int head_n = -1;                                          // buffers in that CTS; -1 = not read
   uint32_t matched = 0;                                     // its buffers already sent to
   // Eager (plugin/README.md): a message for `head` sent before its CTS was read. The CTS read
-  // last predicts the next receive: one host buffer offering inline, its size and tag.
+  // last predicts the next receive: one host buffer offering inline, of elems[0]'s size and tag
+  // (elems holds the CTS read last until the next one is read).
   bool eager_pending = false;                               // sent for head; CTS head not read yet
   int32_t eager_tag = 0;
   bool last_cts_one_host = false;
-  uint64_t last_cts_size = 0;
-  int32_t last_cts_tag = 0;
   uint32_t last_cts_oldest = 0;                             // its oldest open request (low 32 bits)
   CtsElem elems[kMaxRecvs];
   RemoteRegion regions[kMaxRecvs];
