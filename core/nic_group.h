@@ -352,7 +352,7 @@ class NicGroup {
   std::atomic<bool> worker_exited_{false};
   bool abandoned_ = false;
   bool pollers_post_ = true;               // see pollers_may_post (nic_group_worker.cc)
-  // A polling thread stuck in a claimed provider call is sent back (core/watchdog.h, PollerRescue):
+  // A polling thread stuck in a claimed provider call is sent back (core/watchdog.h, poller_rescue):
   // where pollers do not post (shm) and the signal is free. The state: idle, armed (a pass is on,
   // escape_thread_ set), signalling (the watchdog is sending it), signalled.
   bool rescue_ = false;

@@ -208,7 +208,7 @@ bool NicGroup::poller_pass(bool reap) {
   }
   if (!rescue_) return pass_holding_token(reap);
   // Where a provider call may never return (shm), the watchdog can send this thread back here
-  // from a call it claimed (core/watchdog.h, PollerRescue): the group is wedged then, its token
+  // from a call it claimed (core/watchdog.h, poller_rescue): the group is wedged then, its token
   // taken for good, as after GroupWedged.
   sigjmp_buf escape;
   if (sigsetjmp(escape, 0) != 0) {

@@ -38,12 +38,12 @@
 // of an operation that was being posted by the stuck call may still be read by the provider if
 // that call ever completes.
 //
-// A polling thread stuck while reaping is let go (PollerRescue): on shm a peer stopped while it
+// A polling thread stuck while reaping is let go (poller_rescue): on shm a peer stopped while it
 // wrote into this endpoint's region holds this endpoint's lock, and fi_cq_read spins on it too
 // (NCCL's proxy thread hung in test() there, its requests never ending: about one run in 12 of
 // PluginStopped.ReceiverStoppedTheSendersRequestsErrorInTime/shm). Where pollers only reap, each
 // pass of a polling thread marks where it may be sent back to (sigsetjmp, no signal mask saved);
-// the watchdog, having claimed a call made on such a pass, sends that thread PollerRescue's signal,
+// the watchdog, having claimed a call made on such a pass, sends that thread poller_rescue's signal,
 // and the handler, on a thread that is inside the claimed provider call (WatchedNic marks each
 // call) and not inside a callback's engine call, jumps back: progress() returns false, the group
 // wedged. What the jump leaves behind is the provider's: locks it held for the call stay held, and
@@ -137,7 +137,7 @@ class CallGuard {
 // Nic must be forwarded here too (a defaulted virtual would otherwise bypass the backend).
 class WatchedNic final : public Nic {
  public:
-  // mark_calls: each call is also marked for PollerRescue's handler (a thread-local store on each
+  // mark_calls: each call is also marked for poller_rescue's handler (a thread-local store on each
   // side); only where a polling thread can be let go.
   WatchedNic(std::unique_ptr<Nic> inner, CallGuard* guard, bool mark_calls = false)
       : inner_(std::move(inner)), guard_(guard), mark_calls_(mark_calls) {}
