@@ -301,6 +301,12 @@ TEST(Watchdog, PollerStuckInAProviderCallIsLetGo) {
   NicGroup& g = *s.group;
   Fires fires(4);
   for (int i = 0; i < 4; i++) ASSERT_TRUE(g.submit(s.write(fires.notify(i))).ok());
+  // Started (waiting for their peer) before the poll blocks: writes still queued when the group
+  // wedges are refused (kUnavailable), not timed out. A job queued behind them runs once they are.
+  struct Nop {
+    void run() {}
+  } nop;
+  ASSERT_TRUE(g.run_on_worker(nop).ok());
   std::atomic<bool> returned{false};
   std::atomic<long long> stuck_for_ms{-1};
   std::atomic<bool> later_at_once{false};
