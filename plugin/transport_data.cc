@@ -164,6 +164,29 @@ Status failed_send(SendComm* c, const Status& why, void** request) {
   *request = r;
   return Status::Ok();
 }
+
+// Whether the other end closed cleanly after starting request `number` of c (CLOSED's count).
+bool sent_before_peer_closed(const RecvComm* c, uint64_t number) {
+  return c->peer_closed.load() && c->peer_clean && number < c->peer_count;
+}
+
+// Notify target of a receive's CTS write. A CTS the other end can no longer read (it closed or
+// died) does not end the receive: what it sent before (an eager message) is received, and a
+// receive still short of its immediates ends in test() once they cannot come (peer dead, or
+// closed before starting it). Other failures end it as any operation's do.
+void cts_done(void* arg, const Status& st) {
+  op_done(arg, st.code() == Code::kPeerDead ? Status::Ok() : st);
+}
+
+// irecv's last step: r (set up for c's next request) is posted.
+Status post_recv_request(RecvComm* c, RecvRequest* r, const MrEntry* const* targets, void** request) {
+  for (int i = 0; i < r->n; ++i) r->targets[i].store(targets[i], std::memory_order_release);
+  r->in_use = true;
+  ++c->next;
+  *request = r;
+  return Status::Ok();
+}
+
 Status failed_recv(RecvComm* c, const Status& why, void** request) {
   if (why.ok()) return why;
   RecvRequest* r = &c->reqs[c->next % kMaxRequests];
@@ -348,11 +371,19 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   if (!data || !sizes || !mhandles) return bad("irecv: NULL array");
   Device* d = c->dev;
   Engine& e = *d->engine;
-  if (e.peer_dead(d->group, c->peer))
-    return Status(Code::kPeerDead, "irecv: the sending peer is dead or unreachable");
-  if (Status why = refusal(c); !why.ok()) [[unlikely]]
-    return failed_recv(c, why, request);
   const uint64_t number = c->next;
+  // The other end closed cleanly after starting this request: it went eagerly, before its CTS
+  // (the only way a request can start unposted), and its data is here or on its way. It is
+  // received without a CTS: the other end reads nothing more, and may have been told so.
+  const bool sent_before_close = sent_before_peer_closed(c, number);
+  if (!sent_before_close) {
+    if (e.peer_dead(d->group, c->peer))
+      return Status(Code::kPeerDead, "irecv: the sending peer is dead or unreachable");
+    if (Status why = refusal(c); !why.ok()) [[unlikely]]
+      return failed_recv(c, why, request);
+  } else if (c->broken.load(std::memory_order_acquire) != 0) {
+    return failed_recv(c, refusal(c), request);
+  }
   const size_t slot = number % kMaxRequests;
   RecvRequest* r = &c->reqs[slot];
   if (r->in_use) return Status::Ok();  // 32 requests in flight: NCCL retries
@@ -409,23 +440,22 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     encode_blank_record(static_cast<uint32_t>(number),
                         c->records.ptr + (inl ? inline_slot_offset(number) : record_offset(number, 0)));
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
+  if (sent_before_close) return post_recv_request(c, r, targets, request);
   if (!start_op(c, r)) return failed_recv(c, refusal(c), request);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
   // Behind: a small isend that follows in the same pass goes on the wire first (NCCL's proxy posts
   // the next receive just before a send; at depth 1, 8 B ping-pong half round trip against
   // aws-ofi-nccl on tcp;ofi_rxm went from 1.33-1.36x to 1.18-1.26x).
-  Status st = e.write_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes, Notify{&op_done, r},
+  Status st = e.write_whole(d->group, c->peer, src, c->fifo, slot * kCtsSlotBytes, Notify{&cts_done, r},
                             /*behind=*/true);
   if (!st.ok()) {
     undo_op(c, r);
     if (st.code() == Code::kAgain) return Status::Ok();
-    return st;
+    if (st.code() != Code::kPeerDead) return st;
+    // The other end is going (its engine closed in order: a grace period): as in cts_done, what
+    // it sent before is received, and test() ends the receive if nothing comes.
   }
-  for (int i = 0; i < n; ++i) r->targets[i].store(targets[i], std::memory_order_release);
-  r->in_use = true;
-  ++c->next;
-  *request = r;
-  return Status::Ok();
+  return post_recv_request(c, r, targets, request);
 }
 
 Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhandles,
@@ -620,11 +650,11 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           note_error(q, self.status());
           return Status::Ok();
         }
-        if (!start_op(c, q)) {  // the other end asked this one to stop: nothing more starts here
-          const Status why = refusal(c);
-          note_error(q, why.ok() ? Status(Code::kPeerDead, "the other end stopped this connection") : why);
-          return Status::Ok();
-        }
+        // Written to this device's own peer, not toward the other end: that end's stop (or close,
+        // after it sent this message) refuses nothing here, as for iflush's reads. The comm's
+        // close waits for it (inflight).
+        c->inflight.fetch_add(1);
+        q->pending.fetch_add(1, std::memory_order_relaxed);
         hold(q, m);  // a deregMr of the buffer waits for the write (MrEntry::users)
         Status st = e.write(d->group, self.value(),
                             LocalSlice{&rc->mrs[0], eager_slot_offset(q->number) + kRecordBytes, q->received[eb]},

@@ -500,6 +500,43 @@ TEST_F(PluginTest, EagerMessageWithoutABufferOfItsTagFailsTheReceive) {
   close_pair(net(), &p);
 }
 
+// A send comm closed right after an eager send (the send ended: the message is the receiver's)
+// counts that request as started: its receive, posted after the other end's CLOSED came, gets the
+// message, and the next receive fails. On SoftRoCE (CI) the sending process had exited by then
+// and such a receive failed with kPeerDead.
+TEST_F(PluginTest, EagerMessageIsReceivedAfterItsSenderClosed) {
+  if (!eager_on()) GTEST_SKIP() << "PONTE_NET_EAGER=0: no message goes eagerly";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 64, 65536, 1, 5);
+  auto src = std::make_unique<Buffer>(net(), p.send, 100);
+  Buffer dst(net(), p.recv, 4096);
+  fill(src->data(), 100, 9);
+  void* sreq = try_isend(net(), p.send, src->data(), 100, 5, src->mh(), std::chrono::milliseconds(300));
+  ASSERT_NE(sreq, nullptr);
+  ASSERT_OK(wait_request(net(), sreq, nullptr));
+  src.reset();
+  ASSERT_EQ(net()->close_send(p.send), kSuccess);
+  p.send = nullptr;
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the CLOSED arrives first
+  void* data[1] = {dst.data()};
+  size_t sizes[1] = {4096};
+  int tags[1] = {5};
+  void* mhs[1] = {dst.mh()};
+  void* rreq = nullptr;
+  ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq));
+  int got[8] = {-1};
+  ASSERT_OK(wait_request(net(), rreq, got, std::chrono::seconds(20)));
+  EXPECT_EQ(got[0], 100);
+  EXPECT_EQ(mismatch(dst.data(), 100, 9), SIZE_MAX);
+  rreq = nullptr;
+  NcclResult r = post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq);
+  if (r == kSuccess) r = wait_request(net(), rreq, nullptr, std::chrono::seconds(20));
+  EXPECT_NE(r, kSuccess) << "a receive the closed sender never started ended well";
+  EXPECT_NE(r, kInternalError) << "the receive hung (the harness's deadline)";
+  close_pair(net(), &p);
+}
+
 TEST_F(PluginTest, BadInputGivesErrorsNotCrashes) {
   Handle zeros;
   void* comm = nullptr;
