@@ -89,6 +89,12 @@ bool start_op(CommBase* c, Request* r) {
   r->pending.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
+// Counts one engine operation of r through the device's own peer (iflush's reads, an eager
+// message's NIC copy): nothing goes toward the other end, so its stop refuses nothing here.
+void start_local_op(CommBase* c, Request* r) {
+  c->inflight.fetch_add(1);
+  r->pending.fetch_add(1, std::memory_order_relaxed);
+}
 void undo_op(CommBase* c, Request* r) {
   r->pending.fetch_sub(1, std::memory_order_relaxed);
   c->inflight.fetch_sub(1, std::memory_order_relaxed);
@@ -491,8 +497,8 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
   const size_t len = std::min<size_t>(static_cast<size_t>(sizes[last]), 4);
   const size_t off = reinterpret_cast<uintptr_t>(data[last]) - m->start + sizes[last] - len;
   f->error.store(0, std::memory_order_relaxed);
-  f->pending.store(1, std::memory_order_relaxed);
-  c->inflight.fetch_add(1, std::memory_order_relaxed);
+  f->pending.store(0, std::memory_order_relaxed);
+  start_local_op(c, f);
   hold(f, m);
   // PCIe orders a NIC's writes only before that same NIC's later reads: read through every NIC
   // the peer's data may have come through (writes stripe and rotate over all of them).
@@ -501,8 +507,7 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
                                        off, nics, Notify{&held_done, f});
   if (!st.ok()) {
     release_held(f);
-    f->pending.store(0, std::memory_order_relaxed);
-    c->inflight.fetch_sub(1, std::memory_order_relaxed);
+    undo_op(c, f);
     if (st.code() == Code::kAgain) return Status::Ok();
     return st;
   }
@@ -581,7 +586,7 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       auto waiting = [&](uint32_t value, uint32_t need) {
         if (e.peer_dead(d->group, c->peer)) {
           note_error(q, Status(Code::kPeerDead, "peer dead"));
-        } else if (c->peer_closed.load() && (!c->peer_clean || q->number >= c->peer_count)) {
+        } else if (c->peer_closed.load() && !sent_before_peer_closed(rc, q->number)) {
           note_error(q, Status(Code::kPeerDead, "the sender closed before sending this"));
         } else if (q->epoch != e.peer_epoch(d->group, c->peer) && e.peer_ready(d->group, c->peer) &&
                    e.imm_arrived(d->group, value) < need) {
@@ -650,11 +655,8 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           note_error(q, self.status());
           return Status::Ok();
         }
-        // Written to this device's own peer, not toward the other end: that end's stop (or close,
-        // after it sent this message) refuses nothing here, as for iflush's reads. The comm's
-        // close waits for it (inflight).
-        c->inflight.fetch_add(1);
-        q->pending.fetch_add(1, std::memory_order_relaxed);
+        // The other end's stop (or its close, after it sent this message) refuses nothing here.
+        start_local_op(c, q);
         hold(q, m);  // a deregMr of the buffer waits for the write (MrEntry::users)
         Status st = e.write(d->group, self.value(),
                             LocalSlice{&rc->mrs[0], eager_slot_offset(q->number) + kRecordBytes, q->received[eb]},
