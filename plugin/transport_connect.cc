@@ -65,6 +65,7 @@ void on_notice(Device* d, PeerId from, const NoticeMsg& m) {
       } else {
         c->peer_clean = m.clean;
         c->peer_count = m.count;
+        c->peer_closed_at = Clock::now();
         c->peer_closed.store(true);
       }
       // Posting paths raise inflight, then look at peer_stop (start_op); this sets peer_stop,

@@ -588,6 +588,12 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
           note_error(q, Status(Code::kPeerDead, "peer dead"));
         } else if (c->peer_closed.load() && !sent_before_peer_closed(rc, q->number)) {
           note_error(q, Status(Code::kPeerDead, "the sender closed before sending this"));
+        } else if (c->peer_closed.load() &&
+                   Clock::now() - c->peer_closed_at >= std::chrono::milliseconds(global_config().timeout_ms)) {
+          // Started but never whole: a grouped receive whose eager message was all the sender
+          // sent before it closed (its other buffers' messages needed the CTS it never read).
+          // What it did send had PONTE_TIMEOUT_MS to land after its CLOSED.
+          note_error(q, Status(Code::kPeerDead, "the sender closed without sending all of this"));
         } else if (q->epoch != e.peer_epoch(d->group, c->peer) && e.peer_ready(d->group, c->peer) &&
                    e.imm_arrived(d->group, value) < need) {
           // Rebuilt since it was posted, connected again, and still short: nothing of the old

@@ -196,6 +196,7 @@ struct CommBase {
   std::atomic<bool> peer_closed{false};  // NOTICE CLOSED arrived
   bool peer_clean = false;               // ... every operation of the other end had ended well
   uint64_t peer_count = 0;               // ... after starting this many requests
+  Clock::time_point peer_closed_at;      // ... when (a receive still short waits this + timeout)
   std::atomic<bool> ack_sent{false};     // our ACK to peer_stop went (or is being sent)
   std::atomic<bool> acked{false};        // the other end's ACK arrived: it writes here no more
   bool ack_given_up = false;             // a deregMr waited PONTE_TIMEOUT_MS for that ACK in vain

@@ -500,6 +500,20 @@ TEST_F(PluginTest, EagerMessageWithoutABufferOfItsTagFailsTheReceive) {
   close_pair(net(), &p);
 }
 
+// Sends 100 bytes (filled from seed) on p before their receive is posted (the receive before
+// predicts it: one host buffer, tag 5), closes the send comm and gives its CLOSED time to arrive.
+void send_eagerly_and_close(const Net& net, Pair* p, uint32_t seed) {
+  auto src = std::make_unique<Buffer>(net, p->send, 100);
+  fill(src->data(), 100, seed);
+  void* sreq = try_isend(net, p->send, src->data(), 100, 5, src->mh(), std::chrono::milliseconds(300));
+  ASSERT_NE(sreq, nullptr) << "the message did not go eagerly";
+  ASSERT_OK(wait_request(net, sreq, nullptr));
+  src.reset();  // deregistered before the close, as NCCL does
+  ASSERT_EQ(net->close_send(p->send), kSuccess);
+  p->send = nullptr;
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the CLOSED arrives first
+}
+
 // A send comm closed right after an eager send (the send ended: the message is the receiver's)
 // counts that request as started: its receive, posted after the other end's CLOSED came, gets the
 // message, and the next receive fails. On SoftRoCE (CI) the sending process had exited by then
@@ -509,16 +523,8 @@ TEST_F(PluginTest, EagerMessageIsReceivedAfterItsSenderClosed) {
   Pair p;
   ASSERT_OK(connect_pair(net(), 0, 0, &p));
   transfer(p, 64, 65536, 1, 5);
-  auto src = std::make_unique<Buffer>(net(), p.send, 100);
+  ASSERT_NO_FATAL_FAILURE(send_eagerly_and_close(net(), &p, 9));
   Buffer dst(net(), p.recv, 4096);
-  fill(src->data(), 100, 9);
-  void* sreq = try_isend(net(), p.send, src->data(), 100, 5, src->mh(), std::chrono::milliseconds(300));
-  ASSERT_NE(sreq, nullptr);
-  ASSERT_OK(wait_request(net(), sreq, nullptr));
-  src.reset();
-  ASSERT_EQ(net()->close_send(p.send), kSuccess);
-  p.send = nullptr;
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the CLOSED arrives first
   void* data[1] = {dst.data()};
   size_t sizes[1] = {4096};
   int tags[1] = {5};
@@ -533,6 +539,28 @@ TEST_F(PluginTest, EagerMessageIsReceivedAfterItsSenderClosed) {
   NcclResult r = post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq);
   if (r == kSuccess) r = wait_request(net(), rreq, nullptr, std::chrono::seconds(20));
   EXPECT_NE(r, kSuccess) << "a receive the closed sender never started ended well";
+  EXPECT_NE(r, kInternalError) << "the receive hung (the harness's deadline)";
+  close_pair(net(), &p);
+}
+
+// A sender that closed after an eager send sent that request nothing else: a grouped receive for
+// it gets the eager message's buffer and never the others. It fails within PONTE_TIMEOUT_MS of
+// the CLOSED (5 s here), not a hang.
+TEST_F(PluginTest, GroupedReceiveTheClosedSenderCouldNotFillFailsInTime) {
+  if (!eager_on()) GTEST_SKIP() << "PONTE_NET_EAGER=0: no message goes eagerly";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 64, 65536, 1, 5);
+  ASSERT_NO_FATAL_FAILURE(send_eagerly_and_close(net(), &p, 9));
+  Buffer dst0(net(), p.recv, 4096), dst1(net(), p.recv, 4096);
+  void* data[2] = {dst0.data(), dst1.data()};
+  size_t sizes[2] = {4096, 4096};
+  int tags[2] = {5, 6};
+  void* mhs[2] = {dst0.mh(), dst1.mh()};
+  void* rreq = nullptr;
+  NcclResult r = post_recv(net(), p.recv, 2, data, sizes, tags, mhs, &rreq);
+  if (r == kSuccess) r = wait_request(net(), rreq, nullptr, std::chrono::seconds(20));
+  EXPECT_NE(r, kSuccess) << "a receive ended well without its second buffer's message";
   EXPECT_NE(r, kInternalError) << "the receive hung (the harness's deadline)";
   close_pair(net(), &p);
 }
