@@ -475,6 +475,56 @@ TEST_F(PluginTest, AnEagerMessageWaitsUntilItsSlotIsFree) {
   close_pair(net(), &p);
 }
 
+// An eager message's receive can end before the sender reads that request's CTS; the receiver may
+// then post 32 more receives, the last into the same CTS slot. The sender's next messages must
+// still go: they waited for good for the overwritten CTS (plugin_shm hung in
+// SmallMessagesCycleEveryInlineSlot, rarely: there the new CTS had to land first).
+TEST_F(PluginTest, EagerRequestWhoseCtsSlotWasReusedGoesOn) {
+  if (!eager_on()) GTEST_SKIP() << "PONTE_NET_EAGER=0: no message goes eagerly";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  transfer(p, 64, 65536, 1, 5);  // the prediction: one host buffer, tag 5
+  constexpr int kN = 33;         // the eager one, then 32 more
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  std::vector<void*> rreq(kN), sreq(kN);
+  for (int i = 0; i < kN; ++i) {
+    src.push_back(std::make_unique<Buffer>(net(), p.send, 100));
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, 4096));
+    fill(src[i]->data(), 100, 70 + i);
+  }
+  size_t sizes[1] = {4096};
+  int tags[1] = {5};
+  auto post = [&](int i) {
+    void* data[1] = {dst[i]->data()};
+    void* mhs[1] = {dst[i]->mh()};
+    return post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq[i]);
+  };
+  sreq[0] = try_isend(net(), p.send, src[0]->data(), 100, 5, src[0]->mh(), std::chrono::milliseconds(300));
+  ASSERT_NE(sreq[0], nullptr) << "the first message did not go eagerly";
+  ASSERT_OK(wait_request(net(), sreq[0], nullptr));
+  ASSERT_OK(post(0));
+  int got[8] = {-1};
+  ASSERT_OK(wait_request(net(), rreq[0], got));
+  EXPECT_EQ(got[0], 100);
+  for (int i = 1; i < kN; ++i) ASSERT_OK(post(i));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // their CTS land, the last over the first's
+  for (int i = 1; i < kN; ++i) {
+    sreq[i] = try_isend(net(), p.send, src[i]->data(), 100, 5, src[i]->mh(), std::chrono::seconds(5));
+    ASSERT_NE(sreq[i], nullptr) << "message " << i << " waited for a CTS that was overwritten";
+  }
+  for (int i = 0; i < kN; ++i) {
+    SCOPED_TRACE(i);
+    if (i > 0) {
+      ASSERT_OK(wait_request(net(), sreq[i], nullptr));
+      got[0] = -1;
+      ASSERT_OK(wait_request(net(), rreq[i], got));
+      EXPECT_EQ(got[0], 100);
+    }
+    EXPECT_EQ(mismatch(dst[i]->data(), 100, 70 + i), SIZE_MAX);
+  }
+  close_pair(net(), &p);
+}
+
 // An eager message that its receive has no buffer for (a tag the receive does not hold: NCCL never
 // does this, a broken peer might) fails that receive with an error, not a hang or a wrong buffer.
 TEST_F(PluginTest, EagerMessageWithoutABufferOfItsTagFailsTheReceive) {
