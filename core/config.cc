@@ -104,6 +104,7 @@ Result<Config> Config::from_env() {
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_NET_EAGER_NIC_COPY", 1, &eager_nic_copy));
   c.net_eager = net_eager != 0;
   c.net_eager_nic_copy = eager_nic_copy != 0;
+  PONTE_RETURN_IF_ERROR(parse_into("PONTE_NET_CTS_AHEAD", 31, &c.net_cts_ahead));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_DROP_RECVS", 1u << 20, &c.fault_drop_recvs));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_FAILED_CONNECTS", 1000, &c.fault_failed_connects));
   PONTE_RETURN_IF_ERROR(parse_into("PONTE_FAULT_BUSY_ACKS", 1u << 20, &c.fault_busy_acks));

@@ -49,6 +49,7 @@ struct Config {
   uint32_t net_inline = 4096;                    // PONTE_NET_INLINE: plugin messages <= this go inline
   bool net_eager = true;                         // PONTE_NET_EAGER: plugin sends small messages before their CTS
   bool net_eager_nic_copy = false;               // PONTE_NET_EAGER_NIC_COPY: tests: eager data to host via a NIC
+  uint32_t net_cts_ahead = 4;                    // PONTE_NET_CTS_AHEAD: plugin holds a CTS while this many are out
   uint32_t fault_drop_recvs = 0;                 // PONTE_FAULT_DROP_RECVS: tests: lose N messages
   uint32_t fault_failed_connects = 0;            // PONTE_FAULT_FAILED_CONNECTS: tests: N rounds fail here
   uint32_t fault_busy_acks = 0;                  // PONTE_FAULT_BUSY_ACKS: tests: N plugin ACKs find no buffer

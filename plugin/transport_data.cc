@@ -193,6 +193,86 @@ Status post_recv_request(RecvComm* c, RecvRequest* r, const MrEntry* const* targ
   return Status::Ok();
 }
 
+// Moves c->oldest past the requests that ended.
+void advance_oldest(RecvComm* c) {
+  while (c->oldest < c->next) {
+    const RecvRequest& o = c->reqs[c->oldest % kMaxRequests];
+    if (o.in_use && o.number == c->oldest) break;
+    ++c->oldest;
+  }
+}
+
+// Held CTS (plugin/README.md, step 7): while PONTE_NET_CTS_AHEAD receives of c have their CTS at
+// the sender and no message yet (their size records have not landed), the sender has that many
+// messages it may send before it needs the next CTS, and irecv holds that one; held ones go
+// together, in one write. Only for a caller that tests its receives between its irecvs, as NCCL's
+// proxy does: every test() and irecv looks again, and writes them once fewer are unfilled, or at
+// once when the tested receive is held (its caller waits for it). A caller that posts a run of
+// receives and then waits for sends before testing any gets every CTS at once.
+// Whether fewer than PONTE_NET_CTS_AHEAD of c's receives with their CTS out are unfilled.
+bool held_cts_due(RecvComm* c) {
+  const uint32_t ahead = global_config().net_cts_ahead;
+  if (ahead == 0) return true;
+  advance_oldest(c);
+  const Engine& e = *c->dev->engine;
+  uint32_t unfilled = 0;
+  for (uint64_t k = c->cts_sent; k-- > c->oldest;) {  // newest first: the unfilled ones
+    const RecvRequest& q = c->reqs[k % kMaxRequests];
+    if (q.in_use && e.imm_arrived(c->dev->group, q.record_imm) < static_cast<uint32_t>(q.n) && ++unfilled >= ahead)
+      return false;
+  }
+  return true;
+}
+
+// Notify target of a write that carries the CTS of cts_batch requests from arg on: each one's
+// cts_done. The requests are found before the first may end (and its slot be reused).
+void cts_batch_done(void* arg, const Status& st) {
+  auto* first = static_cast<RecvRequest*>(arg);
+  auto* c = static_cast<RecvComm*>(first->comm);
+  const uint32_t count = first->cts_batch;
+  const size_t s0 = first->number % kMaxRequests;
+  RecvRequest* batch[kMaxRequests];
+  for (uint32_t k = 0; k < count; ++k) batch[k] = &c->reqs[s0 + k];
+  for (uint32_t k = 0; k < count; ++k) cts_done(batch[k], st);
+}
+
+// Writes the held CTS of requests [cts_sent, next), one write per run of slots that does not wrap.
+// None is written once the pair broke or the other end asked to stop: those receives end in test()
+// as any still waiting for data. The engine's queue full: the next test() writes them. A failure
+// ends the requests whose CTS it carried.
+void write_held_cts(RecvComm* c) {
+  Device* d = c->dev;
+  Engine& e = *d->engine;
+  while (c->cts_sent < c->next) {
+    if (c->broken.load(std::memory_order_acquire) != 0 || c->peer_stop.load()) {
+      c->cts_sent = c->next;
+      return;
+    }
+    const size_t s0 = c->cts_sent % kMaxRequests;
+    const uint32_t count = static_cast<uint32_t>(std::min<uint64_t>(c->next - c->cts_sent, kMaxRequests - s0));
+    uint32_t k = 0;
+    for (; k < count; ++k)
+      if (!start_op(c, &c->reqs[s0 + k])) break;
+    if (k < count) {  // the other end asked to stop meanwhile
+      while (k-- > 0) undo_op(c, &c->reqs[s0 + k]);
+      c->cts_sent = c->next;
+      return;
+    }
+    RecvRequest* first = &c->reqs[s0];
+    first->cts_batch = count;
+    const size_t len = (count - 1) * kCtsSlotBytes + cts_bytes(c->reqs[s0 + count - 1].n);
+    Status st = e.write_whole(d->group, c->peer, LocalSlice{&c->mrs[1], s0 * kCtsSlotBytes, len}, c->fifo,
+                              s0 * kCtsSlotBytes, Notify{&cts_batch_done, first}, /*behind=*/true);
+    if (!st.ok()) {
+      for (k = 0; k < count; ++k) undo_op(c, &c->reqs[s0 + k]);
+      if (st.code() == Code::kAgain) return;
+      if (st.code() != Code::kPeerDead)  // kPeerDead: as in cts_done
+        for (k = 0; k < count; ++k) note_error(&c->reqs[s0 + k], st);
+    }
+    c->cts_sent += count;
+  }
+}
+
 Status failed_recv(RecvComm* c, const Status& why, void** request) {
   if (why.ok()) return why;
   RecvRequest* r = &c->reqs[c->next % kMaxRequests];
@@ -203,6 +283,7 @@ Status failed_recv(RecvComm* c, const Status& why, void** request) {
   r->n = 0;
   r->in_use = true;
   ++c->next;
+  c->cts_sent = c->next;  // held CTS go nowhere now
   *request = r;
   return Status::Ok();
 }
@@ -423,11 +504,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   elems[0].inline_data = inl;
   // The oldest request still open: the sender may write request m's eager slot once it reads a
   // CTS whose oldest open request is after m - 32.
-  while (c->oldest < number) {
-    const RecvRequest& o = c->reqs[c->oldest % kMaxRequests];
-    if (o.in_use && o.number == c->oldest) break;
-    ++c->oldest;
-  }
+  advance_oldest(c);
   uint8_t* out = c->cts.ptr + slot * kCtsSlotBytes;
   PONTE_RETURN_IF_ERROR(encode_cts(static_cast<uint32_t>(number), static_cast<uint32_t>(c->oldest), c->token,
                                    std::span<const CtsElem>(elems, n), out));
@@ -456,7 +533,18 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     encode_blank_record(static_cast<uint32_t>(number),
                         c->records.ptr + (inl ? inline_slot_offset(number) : record_offset(number, 0)));
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
-  if (sent_before_close) return post_recv_request(c, r, targets, request);
+  r->cts_batch = 1;
+  if (sent_before_close) {
+    c->cts_sent = number + 1;  // the other end reads no CTS any more
+    return post_recv_request(c, r, targets, request);
+  }
+  const bool hold = c->tested && !held_cts_due(c);
+  c->tested = false;
+  if (c->cts_sent < number || hold) {  // held, or behind held ones: written with them
+    (void)post_recv_request(c, r, targets, request);
+    if (!hold) write_held_cts(c);
+    return Status::Ok();
+  }
   if (!start_op(c, r)) return failed_recv(c, refusal(c), request);
   LocalSlice src{&c->mrs[1], slot * kCtsSlotBytes, cts_bytes(n)};
   // Behind: a small isend that follows in the same pass goes on the wire first (NCCL's proxy posts
@@ -471,6 +559,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     // The other end is going (its engine closed in order: a grace period): as in cts_done, what
     // it sent before is received, and test() ends the receive if nothing comes.
   }
+  c->cts_sent = number + 1;
   return post_recv_request(c, r, targets, request);
 }
 
@@ -592,6 +681,9 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
     case ReqType::kRecv: {
       auto* q = static_cast<RecvRequest*>(r);
       auto* rc = static_cast<RecvComm*>(c);
+      // Held CTS go once this receive is one of them (the caller waits for it) or few are out.
+      rc->tested = true;
+      if (rc->cts_sent < rc->next && (q->number >= rc->cts_sent || held_cts_due(rc))) write_held_cts(rc);
       // A receive still short of immediates: whether they can still come. Ends it when not.
       auto waiting = [&](uint32_t value, uint32_t need) {
         if (e.peer_dead(d->group, c->peer)) {
@@ -704,7 +796,9 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
       for (int i = 0; i < q->n; ++i)
         if (sizes) sizes[i] = q->received[i];
       if (count) *count = q->n;
-      return finish(Status::Ok());
+      Status ended = finish(Status::Ok());
+      if (rc->cts_sent < rc->next && held_cts_due(rc)) write_held_cts(rc);  // one fewer is out
+      return ended;
     }
   }
   return Status(Code::kInternal, "test: unknown request type");

@@ -165,6 +165,7 @@ struct RecvRequest : Request {
   bool whole = false;  // the data came without a record, filling the buffer (wire.h)
   int eager_buf = -1;  // the buffer an eager message (wire.h, eager slots) is for; -1: none came
   bool eager_copying = false;  // its data is being written into a non-host buffer (through a NIC)
+  uint32_t cts_batch = 0;      // its CTS write carries the CTS of this many requests, from this one on
   void* dst[kMaxRecvs] = {};   // the buffers' addresses
   int32_t tags[kMaxRecvs] = {};
   uint64_t posted[kMaxRecvs] = {};
@@ -237,6 +238,9 @@ struct RecvComm : CommBase {
   RemoteRegion fifo;                // the sender's FIFO
   uint64_t next = 0;                // next request number
   uint64_t oldest = 0;              // no request before this one is still open (CTS oldest_open)
+  uint64_t cts_sent = 0;            // requests before this one had their CTS written (or need none);
+                                    // the CTS of later ones is held (PONTE_NET_CTS_AHEAD)
+  bool tested = false;              // a receive of c was tested since the last irecv
   RecvRequest reqs[kMaxRequests];
   Request flushes[kMaxRequests];
   uint8_t accept_msg[kMaxMsgSize];  // the ACCEPT that made it: sent again to a repeated CONNECT

@@ -525,6 +525,76 @@ TEST_F(PluginTest, EagerRequestWhoseCtsSlotWasReusedGoesOn) {
   close_pair(net(), &p);
 }
 
+// Held CTS (plugin/README.md, step 7): a caller that tests its receives between its irecvs (NCCL's
+// proxy) gets a receive's CTS held while PONTE_NET_CTS_AHEAD (4) receives with their CTS out are
+// unfilled. The held ones go once fewer are unfilled (a test() sees the messages landed), or at
+// once when the caller tests a held receive (it waits for it, and nothing else may make it wait).
+// 8 KiB messages: none goes eagerly.
+TEST_F(PluginTest, HeldCtsGoOnceFewReceivesAreUnfilledOrAHeldOneIsTested) {
+  const char* v = getenv("PONTE_NET_CTS_AHEAD");
+  const int ahead = v ? atoi(v) : 4;
+  if (ahead < 1 || ahead > 14) GTEST_SKIP() << "PONTE_NET_CTS_AHEAD=" << (v ? v : "") << ": this test holds 1..14";
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  const size_t size = 8192;
+  const int per_phase = ahead + 2;
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  std::vector<void*> rreq(2 * per_phase), sreq(2 * per_phase);
+  for (int i = 0; i < 2 * per_phase; ++i) {
+    src.push_back(std::make_unique<Buffer>(net(), p.send, size));
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, size));
+    fill(src[i]->data(), size, 300 + i);
+  }
+  int done = 0;
+  // Posts receives first..first+per_phase-1, testing receive `first` (not done) after each.
+  auto post_phase = [&](int first) {
+    for (int i = first; i < first + per_phase; ++i) {
+      void* data[1] = {dst[i]->data()};
+      size_t sizes[1] = {size};
+      int tags[1] = {4};
+      void* mhs[1] = {dst[i]->mh()};
+      ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq[i]));
+      ASSERT_EQ(net()->test(rreq[first], &done, nullptr), kSuccess);
+      ASSERT_EQ(done, 0);
+    }
+  };
+  auto send = [&](int i, std::chrono::milliseconds limit) {
+    sreq[i] = try_isend(net(), p.send, src[i]->data(), size, 4, src[i]->mh(), limit);
+    return sreq[i] != nullptr;
+  };
+  auto check_phase = [&](int first) {
+    for (int i = first; i < first + per_phase; ++i) {
+      SCOPED_TRACE(i);
+      int got[8] = {-1};
+      ASSERT_OK(wait_request(net(), sreq[i], nullptr));
+      ASSERT_OK(wait_request(net(), rreq[i], got));
+      EXPECT_EQ(got[0], static_cast<int>(size));
+      EXPECT_EQ(mismatch(dst[i]->data(), size, 300 + i), SIZE_MAX);
+    }
+  };
+  // Phase 1: `ahead` CTS go, the next two are held until a test() finds the messages landed.
+  post_phase(0);
+  for (int i = 0; i < ahead; ++i) ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i << " found no CTS";
+  EXPECT_FALSE(send(ahead, std::chrono::milliseconds(300))) << "the CTS of receive " << ahead << " was not held";
+  ASSERT_OK(wait_request(net(), rreq[0], nullptr));  // its test() sees every sent message landed
+  for (int i = sreq[ahead] ? ahead + 1 : ahead; i < per_phase; ++i)
+    ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "held CTS " << i << " did not go once the receives filled";
+  for (int i = 1; i < per_phase; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_OK(wait_request(net(), sreq[i], nullptr));
+    ASSERT_OK(wait_request(net(), rreq[i], nullptr));
+  }
+  for (int i = 0; i < per_phase; ++i) EXPECT_EQ(mismatch(dst[i]->data(), size, 300 + i), SIZE_MAX) << "message " << i;
+  // Phase 2: the caller tests a held receive while `ahead` are unfilled: every CTS goes, and the
+  // sender sends them all with no further call at the receiver.
+  post_phase(per_phase);
+  ASSERT_EQ(net()->test(rreq[2 * per_phase - 1], &done, nullptr), kSuccess);
+  for (int i = per_phase; i < 2 * per_phase; ++i)
+    ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i << ": testing a held receive did not send its CTS";
+  check_phase(per_phase);
+  close_pair(net(), &p);
+}
+
 // An eager message that its receive has no buffer for (a tag the receive does not hold: NCCL never
 // does this, a broken peer might) fails that receive with an error, not a hang or a wrong buffer.
 TEST_F(PluginTest, EagerMessageWithoutABufferOfItsTagFailsTheReceive) {
