@@ -533,7 +533,6 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
     encode_blank_record(static_cast<uint32_t>(number),
                         c->records.ptr + (inl ? inline_slot_offset(number) : record_offset(number, 0)));
   for (int i = 0; i < n; ++i) r->posted[i] = sizes[i];
-  r->cts_batch = 1;
   if (sent_before_close) {
     c->cts_sent = number + 1;  // the other end reads no CTS any more
     return post_recv_request(c, r, targets, request);
