@@ -3,6 +3,7 @@
 #include "plugin/transport_internal.h"
 
 #include <bit>
+#include <thread>
 
 namespace ponte::plugin {
 
@@ -273,6 +274,93 @@ void write_held_cts(RecvComm* c) {
   }
 }
 
+// A caller that waits elsewhere. Held CTS go when the receive comm is tested or posted to; a
+// caller that tests a receive, posts another (its CTS held) and then waits only for other
+// requests (its sends, another comm's receives), never calling that comm again, would wait for
+// ever for messages that need the held CTS. NCCL's proxy never does this (it tests its oldest
+// receive on every pass); other callers might. So a thread that waits (a test() that finds its
+// request not done, an isend that finds no CTS) looks at the receive comms it drives, on every
+// device, at most every kHeldScanInterval, and writes the CTS it finds held at two looks in a row
+// with none written between them: while its thread keeps calling the plugin, a CTS is held at
+// most about twice that long. It costs a thread that holds none nothing, and one that holds some
+// a clock read per 64 waiting calls.
+constexpr auto kHeldScanInterval = std::chrono::milliseconds(100);
+
+struct WaitScan {
+  bool held = false;        // this thread held a CTS since its last scan found none
+  uint32_t calls = 0;       // waiting calls: the clock is read at every 64th
+  Clock::time_point next;   // no scan before this
+};
+thread_local WaitScan tl_wait;
+
+uint64_t driver_id() {
+  static std::atomic<uint64_t> next_id{1};
+  thread_local const uint64_t id = next_id.fetch_add(1, std::memory_order_relaxed);
+  return id;
+}
+
+// Takes c's driver_busy for a scan of thread `me`: true when c is an open receive comm that
+// thread drives (the scan then drops the flag), false (flag left alone or dropped) otherwise.
+// Under d->mu: c is not freed meanwhile.
+bool claim_for_scan(RecvComm* c, uint64_t me) {
+  if (c->driver_busy.exchange(true, std::memory_order_acquire)) return false;
+  if (c->magic == kMagicRecv && c->driver.load(std::memory_order_relaxed) == me) return true;
+  c->driver_busy.store(false, std::memory_order_release);
+  return false;
+}
+
+void scan_held_cts() {
+  const uint64_t me = driver_id();
+  constexpr size_t kMaxFlush = 64;  // more wait for the next scan
+  RecvComm* due[kMaxFlush];
+  size_t n = 0;
+  bool held = false;
+  Plugin& p = plugin();
+  std::unique_lock<std::mutex> plock(p.mu, std::try_to_lock);
+  if (!plock.owns_lock()) return;  // busy: the next waiting call looks
+  for (auto& dev : p.devices) {
+    Device* d = dev.get();
+    std::unique_lock<std::mutex> lock(d->mu, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      held = true;  // not looked at: look again
+      continue;
+    }
+    for (CommBase* cb : d->comms) {
+      if (cb->is_send) continue;
+      auto* c = static_cast<RecvComm*>(cb);
+      if (!claim_for_scan(c, me)) {
+        held = held || c->driver_busy.load(std::memory_order_relaxed);  // being changed: look again
+        continue;
+      }
+      const bool holds = c->cts_sent < c->next;
+      held = held || holds;
+      if (holds && c->held_mark == c->cts_sent && n < kMaxFlush) {
+        due[n++] = c;  // its flag is dropped after the write
+        continue;
+      }
+      c->held_mark = holds ? c->cts_sent : ~0ull;
+      c->driver_busy.store(false, std::memory_order_release);
+    }
+  }
+  plock.unlock();  // a comm in due[] stays: closing it waits for its flag (drive)
+  for (size_t k = 0; k < n; ++k) {
+    RecvComm* c = due[k];
+    write_held_cts(c);  // engine calls: never under d->mu
+    c->held_mark = c->cts_sent < c->next ? c->cts_sent : ~0ull;  // the queue full: next time
+    c->driver_busy.store(false, std::memory_order_release);
+  }
+  tl_wait.held = held;
+}
+
+void note_waiting() {
+  WaitScan& w = tl_wait;
+  if (!w.held || (++w.calls & 63u) != 0) return;
+  const auto now = Clock::now();
+  if (now < w.next) return;
+  w.next = now + kHeldScanInterval;
+  scan_held_cts();
+}
+
 Status failed_recv(RecvComm* c, const Status& why, void** request) {
   if (why.ok()) return why;
   RecvRequest* r = &c->reqs[c->next % kMaxRequests];
@@ -332,7 +420,7 @@ Status send_eager(SendComm* c, const void* data, size_t size, int tag, void** re
 
 }  // namespace
 
-Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
+static Status isend_now(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
   if (!request) return bad("isend: NULL request");
   *request = nullptr;
   SendComm* c = as_send(send_comm);
@@ -457,12 +545,28 @@ Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, v
   return Status::Ok();
 }
 
+Status isend(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request) {
+  Status st = isend_now(send_comm, data, size, tag, mhandle, request);
+  if (st.ok() && request && !*request) note_waiting();  // no CTS: this thread waits
+  return st;
+}
+
+void drive(RecvComm* c) {
+  const uint64_t me = driver_id();
+  if (c->driver.load(std::memory_order_relaxed) == me) return;
+  while (c->driver_busy.exchange(true, std::memory_order_acquire)) std::this_thread::yield();  // a scan's write
+  c->driver.store(me, std::memory_order_relaxed);
+  if (c->cts_sent < c->next) tl_wait.held = true;  // its held CTS are this thread's to look at now
+  c->driver_busy.store(false, std::memory_order_release);
+}
+
 Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int* tags,
              void** mhandles, void** request) {
   if (!request) return bad("irecv: NULL request");
   *request = nullptr;
   RecvComm* c = as_recv(recv_comm);
   if (!c) return bad("irecv: not a recv comm");
+  drive(c);
   if (n < 1 || n > kMaxRecvs)
     return Status(Code::kInvalidArgument, "irecv: %d buffers, must be 1..%d", n, kMaxRecvs);
   if (!data || !sizes || !mhandles) return bad("irecv: NULL array");
@@ -539,6 +643,7 @@ Status irecv(void* recv_comm, int n, void** data, const size_t* sizes, const int
   }
   const bool hold = c->tested && !held_cts_due(c);
   c->tested = false;
+  if (hold) tl_wait.held = true;
   if (c->cts_sent < number || hold) {  // held, or behind held ones: written with them
     (void)post_recv_request(c, r, targets, request);
     if (!hold) write_held_cts(c);
@@ -614,7 +719,7 @@ Status iflush(void* recv_comm, int n, void** data, const int* sizes, void** mhan
   return Status::Ok();
 }
 
-Status test(void* request, int* done, size_t* sizes, int* count) {
+static Status test_now(void* request, int* done, size_t* sizes, int* count) {
   if (!done) return bad("test: NULL done");
   *done = 0;
   if (count) *count = 0;
@@ -680,6 +785,7 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
     case ReqType::kRecv: {
       auto* q = static_cast<RecvRequest*>(r);
       auto* rc = static_cast<RecvComm*>(c);
+      drive(rc);
       // Held CTS go once this receive is one of them (the caller waits for it) or few are out.
       rc->tested = true;
       if (rc->cts_sent < rc->next && (q->number >= rc->cts_sent || held_cts_due(rc))) write_held_cts(rc);
@@ -801,6 +907,12 @@ Status test(void* request, int* done, size_t* sizes, int* count) {
     }
   }
   return Status(Code::kInternal, "test: unknown request type");
+}
+
+Status test(void* request, int* done, size_t* sizes, int* count) {
+  Status st = test_now(request, done, sizes, count);
+  if (st.ok() && !*done) note_waiting();
+  return st;
 }
 
 }  // namespace ponte::plugin

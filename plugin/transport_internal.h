@@ -241,6 +241,13 @@ struct RecvComm : CommBase {
   uint64_t cts_sent = 0;            // requests before this one had their CTS written (or need none);
                                     // the CTS of later ones is held (PONTE_NET_CTS_AHEAD)
   bool tested = false;              // a receive of c was tested since the last irecv
+  // Held CTS and a caller that waits elsewhere (scan_held_cts): the thread that drives c (its
+  // irecv / test / closeRecv calls; a driver_id), changed only with driver_busy taken, which a
+  // scan of that thread also takes while it writes c's held CTS. held_mark: cts_sent when that
+  // thread's last scan found c's CTS held (~0: not held then).
+  std::atomic<uint64_t> driver{0};
+  std::atomic<bool> driver_busy{false};
+  uint64_t held_mark = ~0ull;
   RecvRequest reqs[kMaxRequests];
   Request flushes[kMaxRequests];
   uint8_t accept_msg[kMaxMsgSize];  // the ACCEPT that made it: sent again to a repeated CONNECT
@@ -409,6 +416,12 @@ Status ensure_engine(Device* d);
 Result<Device*> device_at(int dev);
 // Closing the engines at exit must happen before the engine's own statics go away.
 void register_exit_teardown();
+
+// ---- defined in transport_data.cc -----------------------------------------------------------------
+
+// Makes the calling thread c's driver (on entry to irecv, a receive's test and closeRecv): a
+// pointer compare when it is already; else waits out a scan that is writing c's held CTS.
+void drive(RecvComm* c);
 
 // ---- defined in transport_teardown.cc ------------------------------------------------------------
 

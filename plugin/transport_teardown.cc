@@ -230,6 +230,7 @@ Status close_send(void* send_comm) {
 Status close_recv(void* recv_comm) {
   RecvComm* c = as_recv(recv_comm);
   if (!c) return bad("closeRecv: not a recv comm");
+  drive(c);  // a scan of another thread writing its held CTS ends first
   Device* d = c->dev;
   std::lock_guard<std::mutex> lock(d->mu);
   for (const RecvRequest& r : c->reqs) c->dirty = c->dirty || r.in_use;

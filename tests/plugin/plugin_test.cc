@@ -525,74 +525,250 @@ TEST_F(PluginTest, EagerRequestWhoseCtsSlotWasReusedGoesOn) {
   close_pair(net(), &p);
 }
 
+// Two pairs on device 0: on `p`, receives whose CTS are held (hold_phase), and on `other` a
+// receive nothing fills until the end, for a caller to wait on instead.
+class HeldCtsRig {
+ public:
+  static constexpr size_t kSize = 8192;
+  explicit HeldCtsRig(const Net& net) : net_(net) {
+    const char* v = getenv("PONTE_NET_CTS_AHEAD");
+    ahead = v ? atoi(v) : 4;
+    per_phase = ahead + 2;
+  }
+  bool usable() const { return ahead >= 1 && ahead <= 14; }
+  void open(int phases) {
+    ASSERT_OK(connect_pair(net_, 0, 0, &p));
+    ASSERT_OK(connect_pair(net_, 0, 0, &other));
+    rreq.resize(phases * per_phase);
+    sreq.resize(phases * per_phase);
+    for (int i = 0; i < phases * per_phase; ++i) {
+      src.push_back(std::make_unique<Buffer>(net_, p.send, kSize));
+      dst.push_back(std::make_unique<Buffer>(net_, p.recv, kSize));
+      fill(src[i]->data(), kSize, 500 + i);
+    }
+    osrc = std::make_unique<Buffer>(net_, other.send, 64);
+    fill(osrc->data(), 64, 77);
+    ASSERT_NO_FATAL_FAILURE(post_other(1));
+  }
+  // Posts n receives on `other`, testing the first of them after each: beyond `ahead` of them
+  // (nothing fills them), their CTS are held, and the calling thread drives `other`.
+  void post_other(int n) {
+    const size_t first = oreqs.size();
+    int done = 0;
+    for (int k = 0; k < n; ++k) {
+      odst.push_back(std::make_unique<Buffer>(net_, other.recv, 64));
+      void* data[1] = {odst.back()->data()};
+      size_t sizes[1] = {64};
+      int tags[1] = {9};
+      void* mhs[1] = {odst.back()->mh()};
+      oreqs.push_back(nullptr);
+      ASSERT_OK(post_recv(net_, other.recv, 1, data, sizes, tags, mhs, &oreqs.back()));
+      ASSERT_EQ(net_->test(oreqs[first], &done, nullptr), kSuccess);
+      ASSERT_EQ(done, 0);
+    }
+  }
+  // Posts the phase's receives, testing receive `first` after each: the CTS after `ahead` are held.
+  void post_held(int first) {
+    int done = 0;
+    for (int i = first; i < first + per_phase; ++i) {
+      void* data[1] = {dst[i]->data()};
+      size_t sizes[1] = {kSize};
+      int tags[1] = {4};
+      void* mhs[1] = {dst[i]->mh()};
+      ASSERT_OK(post_recv(net_, p.recv, 1, data, sizes, tags, mhs, &rreq[i]));
+      ASSERT_EQ(net_->test(rreq[first], &done, nullptr), kSuccess);
+      ASSERT_EQ(done, 0);
+    }
+  }
+  // Sends the `ahead` messages that have their CTS and checks that the next one's is held.
+  void send_ahead(int first) {
+    for (int i = first; i < first + ahead; ++i)
+      ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i << " found no CTS";
+    // 50 ms: a thread that waits elsewhere writes CTS held for 100-200 ms (HeldCtsGoWhenTheCaller...).
+    ASSERT_FALSE(send(first + ahead, std::chrono::milliseconds(50))) << "the CTS of receive " << first + ahead << " was not held";
+  }
+  void hold_phase(int first) {
+    ASSERT_NO_FATAL_FAILURE(post_held(first));
+    ASSERT_NO_FATAL_FAILURE(send_ahead(first));
+  }
+  bool send(int i, std::chrono::milliseconds limit) {
+    sreq[i] = try_isend(net_, p.send, src[i]->data(), kSize, 4, src[i]->mh(), limit);
+    return sreq[i] != nullptr;
+  }
+  // Sends [first, last) from another thread: it does not drive p.recv, so its waiting calls never
+  // write p's held CTS, and only what this thread did can have sent them.
+  bool send_elsewhere(int first, int last) {
+    bool ok = true;
+    std::thread t([&] {
+      for (int i = first; i < last && ok; ++i) ok = send(i, std::chrono::seconds(5));
+    });
+    t.join();
+    return ok;
+  }
+  bool one_isend(int i) {
+    EXPECT_EQ(net_->isend(p.send, src[i]->data(), kSize, 4, src[i]->mh(), nullptr, &sreq[i]), kSuccess);
+    return sreq[i] != nullptr;
+  }
+  // Tests the other comm's receive (not done) for `span`.
+  void wait_elsewhere(std::chrono::milliseconds span) {
+    int done = 0;
+    for (const auto end = Clock::now() + span; Clock::now() < end;) {
+      ASSERT_EQ(net_->test(oreqs[0], &done, nullptr), kSuccess);
+      ASSERT_EQ(done, 0);
+      std::this_thread::yield();
+    }
+  }
+  // Sends the phase's messages after the held one, then checks every message of the phase.
+  void end_phase(int first) {
+    for (int i = first + ahead + 1; i < first + per_phase; ++i)
+      ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i;
+    for (int i = first; i < first + per_phase; ++i) {
+      SCOPED_TRACE(i);
+      ASSERT_OK(wait_request(net_, sreq[i], nullptr));
+      if (rreq[i]) {  // null: ended already
+        int got[8] = {-1};
+        ASSERT_OK(wait_request(net_, rreq[i], got));
+        EXPECT_EQ(got[0], static_cast<int>(kSize));
+      }
+      EXPECT_EQ(mismatch(dst[i]->data(), kSize, 500 + i), SIZE_MAX);
+    }
+  }
+  // Fills the receives on `other` (a test of the newest, held or not, writes every held CTS
+  // first), checks them and closes both pairs.
+  void close() {
+    int done = 0;
+    ASSERT_EQ(net_->test(oreqs.back(), &done, nullptr), kSuccess);
+    ASSERT_EQ(done, 0);
+    for (size_t k = 0; k < oreqs.size(); ++k) {
+      void* os = try_isend(net_, other.send, osrc->data(), 64, 9, osrc->mh(), std::chrono::seconds(5));
+      ASSERT_NE(os, nullptr) << "message " << k << " on the other comm";
+      ASSERT_OK(wait_request(net_, os, nullptr));
+    }
+    for (size_t k = 0; k < oreqs.size(); ++k) {
+      ASSERT_OK(wait_request(net_, oreqs[k], nullptr));
+      EXPECT_EQ(mismatch(odst[k]->data(), 64, 77), SIZE_MAX);
+    }
+    src.clear();
+    dst.clear();
+    osrc.reset();
+    odst.clear();
+    close_pair(net_, &other);
+    close_pair(net_, &p);
+  }
+
+  int ahead = 4, per_phase = 6;
+  Pair p, other;
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  std::vector<std::unique_ptr<Buffer>> odst;
+  std::unique_ptr<Buffer> osrc;
+  std::vector<void*> rreq, sreq, oreqs;
+
+ private:
+  const Net& net_;
+};
+
 // Held CTS (plugin/README.md, step 7): a caller that tests its receives between its irecvs (NCCL's
 // proxy) gets a receive's CTS held while PONTE_NET_CTS_AHEAD (4) receives with their CTS out are
 // unfilled. The held ones go once fewer are unfilled (a test() sees the messages landed), or at
 // once when the caller tests a held receive (it waits for it, and nothing else may make it wait).
 // 8 KiB messages: none goes eagerly.
 TEST_F(PluginTest, HeldCtsGoOnceFewReceivesAreUnfilledOrAHeldOneIsTested) {
-  const char* v = getenv("PONTE_NET_CTS_AHEAD");
-  const int ahead = v ? atoi(v) : 4;
-  if (ahead < 1 || ahead > 14) GTEST_SKIP() << "PONTE_NET_CTS_AHEAD=" << (v ? v : "") << ": this test holds 1..14";
-  Pair p;
-  ASSERT_OK(connect_pair(net(), 0, 0, &p));
-  const size_t size = 8192;
-  const int per_phase = ahead + 2;
-  std::vector<std::unique_ptr<Buffer>> src, dst;
-  std::vector<void*> rreq(2 * per_phase), sreq(2 * per_phase);
-  for (int i = 0; i < 2 * per_phase; ++i) {
-    src.push_back(std::make_unique<Buffer>(net(), p.send, size));
-    dst.push_back(std::make_unique<Buffer>(net(), p.recv, size));
-    fill(src[i]->data(), size, 300 + i);
-  }
-  int done = 0;
-  // Posts receives first..first+per_phase-1, testing receive `first` (not done) after each.
-  auto post_phase = [&](int first) {
-    for (int i = first; i < first + per_phase; ++i) {
-      void* data[1] = {dst[i]->data()};
-      size_t sizes[1] = {size};
-      int tags[1] = {4};
-      void* mhs[1] = {dst[i]->mh()};
-      ASSERT_OK(post_recv(net(), p.recv, 1, data, sizes, tags, mhs, &rreq[i]));
-      ASSERT_EQ(net()->test(rreq[first], &done, nullptr), kSuccess);
-      ASSERT_EQ(done, 0);
-    }
-  };
-  auto send = [&](int i, std::chrono::milliseconds limit) {
-    sreq[i] = try_isend(net(), p.send, src[i]->data(), size, 4, src[i]->mh(), limit);
-    return sreq[i] != nullptr;
-  };
-  auto check_phase = [&](int first) {
-    for (int i = first; i < first + per_phase; ++i) {
-      SCOPED_TRACE(i);
-      int got[8] = {-1};
-      ASSERT_OK(wait_request(net(), sreq[i], nullptr));
-      ASSERT_OK(wait_request(net(), rreq[i], got));
-      EXPECT_EQ(got[0], static_cast<int>(size));
-      EXPECT_EQ(mismatch(dst[i]->data(), size, 300 + i), SIZE_MAX);
-    }
-  };
+  HeldCtsRig rig(net());
+  if (!rig.usable()) GTEST_SKIP() << "PONTE_NET_CTS_AHEAD: this test holds 1..14";
+  ASSERT_NO_FATAL_FAILURE(rig.open(2));
+  const int ahead = rig.ahead, per_phase = rig.per_phase;
   // Phase 1: `ahead` CTS go, the next two are held until a test() finds the messages landed.
-  post_phase(0);
-  for (int i = 0; i < ahead; ++i) ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i << " found no CTS";
-  EXPECT_FALSE(send(ahead, std::chrono::milliseconds(300))) << "the CTS of receive " << ahead << " was not held";
-  ASSERT_OK(wait_request(net(), rreq[0], nullptr));  // its test() sees every sent message landed
-  for (int i = sreq[ahead] ? ahead + 1 : ahead; i < per_phase; ++i)
-    ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "held CTS " << i << " did not go once the receives filled";
-  for (int i = 1; i < per_phase; ++i) {
-    SCOPED_TRACE(i);
-    ASSERT_OK(wait_request(net(), sreq[i], nullptr));
-    ASSERT_OK(wait_request(net(), rreq[i], nullptr));
-  }
-  for (int i = 0; i < per_phase; ++i) EXPECT_EQ(mismatch(dst[i]->data(), size, 300 + i), SIZE_MAX) << "message " << i;
+  ASSERT_NO_FATAL_FAILURE(rig.hold_phase(0));
+  ASSERT_OK(wait_request(net(), rig.rreq[0], nullptr));  // its test() sees every sent message landed
+  rig.rreq[0] = nullptr;
+  ASSERT_TRUE(rig.send_elsewhere(ahead, ahead + 1)) << "held CTS " << ahead << " did not go once the receives filled";
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(0));
   // Phase 2: the caller tests a held receive while `ahead` are unfilled: every CTS goes, and the
   // sender sends them all with no further call at the receiver.
-  post_phase(per_phase);
-  ASSERT_EQ(net()->test(rreq[2 * per_phase - 1], &done, nullptr), kSuccess);
-  for (int i = per_phase; i < 2 * per_phase; ++i)
-    ASSERT_TRUE(send(i, std::chrono::seconds(5))) << "message " << i << ": testing a held receive did not send its CTS";
-  check_phase(per_phase);
-  close_pair(net(), &p);
+  ASSERT_NO_FATAL_FAILURE(rig.post_held(per_phase));
+  int done = 0;
+  ASSERT_EQ(net()->test(rig.rreq[2 * per_phase - 1], &done, nullptr), kSuccess);
+  ASSERT_TRUE(rig.send_elsewhere(per_phase, per_phase + ahead + 1)) << "testing a held receive did not send the held CTS";
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(per_phase));
+  rig.close();
+}
+
+// A caller that tests a receive, posts more (their CTS held) and then waits only for other
+// requests, never calling that receive comm again: the held CTS go anyway, within about two of
+// the plugin's 100 ms looks, once by test() calls on another comm's request alone, once by
+// isend calls (finding no CTS) alone. NCCL never waits like this; without those looks this caller
+// would wait for ever.
+TEST_F(PluginTest, HeldCtsGoWhenTheCallerWaitsOnlyForOtherRequests) {
+  HeldCtsRig rig(net());
+  if (!rig.usable()) GTEST_SKIP() << "PONTE_NET_CTS_AHEAD: this test holds 1..14";
+  ASSERT_NO_FATAL_FAILURE(rig.open(2));
+  const int ahead = rig.ahead, per_phase = rig.per_phase;
+  // Phase 1: the caller only tests the other comm's receive; one isend a second sees whether the
+  // held CTS arrived (at most 5: too few calls to look for held CTS themselves, once per 64 calls).
+  ASSERT_NO_FATAL_FAILURE(rig.hold_phase(0));
+  bool went = false;
+  for (int tries = 0; !went && tries < 5; ++tries) {
+    ASSERT_NO_FATAL_FAILURE(rig.wait_elsewhere(std::chrono::seconds(1)));
+    went = rig.one_isend(ahead);
+  }
+  ASSERT_TRUE(went) << "testing another comm's request for 5 s did not write the held CTS";
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(0));
+  // Phase 2: the caller only calls isend, which finds no CTS, until the held one arrives.
+  ASSERT_NO_FATAL_FAILURE(rig.hold_phase(per_phase));
+  ASSERT_TRUE(rig.send(per_phase + ahead, std::chrono::seconds(5))) << "isend calls alone for 5 s did not write the held CTS";
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(per_phase));
+  rig.close();
+}
+
+// Held CTS are written only by the thread that drives their receive comm (its last irecv, test or
+// closeRecv): another thread's waiting calls leave them alone, and once that thread drives the
+// comm, its waiting calls write them. Under TSan this also checks that a change of driver and two
+// threads' looks for held CTS do not race.
+TEST_F(PluginTest, HeldCtsAreWrittenOnlyByTheThreadThatDrivesTheirComm) {
+  HeldCtsRig rig(net());
+  if (!rig.usable()) GTEST_SKIP() << "PONTE_NET_CTS_AHEAD: this test holds 1..14";
+  ASSERT_NO_FATAL_FAILURE(rig.open(2));
+  const int ahead = rig.ahead, per_phase = rig.per_phase;
+  // Phase 1: this thread drives the comm; another holds CTS on the other comm (which it then
+  // drives) and waits there for 400 ms: it looks for held CTS, and writes its own.
+  ASSERT_NO_FATAL_FAILURE(rig.hold_phase(0));
+  std::thread stranger([&] {
+    ASSERT_NO_FATAL_FAILURE(rig.post_other(rig.per_phase));
+    rig.wait_elsewhere(std::chrono::milliseconds(400));
+  });
+  stranger.join();
+  EXPECT_FALSE(rig.one_isend(ahead)) << "a thread that does not drive the receive comm wrote its held CTS";
+  int done = 0;
+  ASSERT_EQ(net()->test(rig.rreq[0], &done, nullptr), kSuccess);  // the sent ones landed: the CTS go
+  if (!rig.sreq[ahead]) {
+    ASSERT_TRUE(rig.send(ahead, std::chrono::seconds(5)));
+  }
+  if (done) rig.rreq[0] = nullptr;  // ended by that test
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(0));
+  // Phase 2: another thread takes the comm over (tests the phase's first receive, not yet filled:
+  // nothing is written) and then waits on the other comm. This thread sends, then tries the held
+  // one once a second (too few calls to look for held CTS itself, and it no longer drives them).
+  ASSERT_NO_FATAL_FAILURE(rig.post_held(per_phase));
+  std::atomic<bool> taken{false}, stop{false};
+  std::thread driver([&] {
+    int d = 0;
+    ASSERT_EQ(net()->test(rig.rreq[per_phase], &d, nullptr), kSuccess);
+    ASSERT_EQ(d, 0);
+    taken.store(true);
+    while (!stop.load()) rig.wait_elsewhere(std::chrono::milliseconds(20));
+  });
+  while (!taken.load()) std::this_thread::yield();
+  for (int i = per_phase; i < per_phase + ahead; ++i) ASSERT_TRUE(rig.send(i, std::chrono::seconds(5))) << i;
+  bool went = false;
+  for (int tries = 0; !went && tries < 5; ++tries) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    went = rig.one_isend(per_phase + ahead);
+  }
+  stop.store(true);
+  driver.join();
+  ASSERT_TRUE(went) << "the thread that drives the receive comm did not write its held CTS within 5 s";
+  ASSERT_NO_FATAL_FAILURE(rig.end_phase(per_phase));  // this thread drives the comm again
+  rig.close();
 }
 
 // An eager message that its receive has no buffer for (a tag the receive does not hold: NCCL never
