@@ -286,7 +286,9 @@ void write_held_cts(RecvComm* c) {
 // a clock read per 64 waiting calls.
 constexpr auto kHeldScanInterval = std::chrono::milliseconds(100);
 
+// Per calling thread, zero-initialised (no TLS constructor to check on each use).
 struct WaitScan {
+  uint64_t id = 0;          // driver_id(), 0 until first needed
   bool held = false;        // this thread held a CTS since its last scan found none
   uint32_t calls = 0;       // waiting calls: the clock is read at every 64th
   Clock::time_point next;   // no scan before this
@@ -295,7 +297,9 @@ thread_local WaitScan tl_wait;
 
 uint64_t driver_id() {
   static std::atomic<uint64_t> next_id{1};
-  thread_local const uint64_t id = next_id.fetch_add(1, std::memory_order_relaxed);
+  uint64_t& id = tl_wait.id;
+  if (id == 0) [[unlikely]]
+    id = next_id.fetch_add(1, std::memory_order_relaxed);
   return id;
 }
 
