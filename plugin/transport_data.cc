@@ -135,6 +135,7 @@ SendRequest* next_send_request(SendComm* c, size_t size) {
   r->size = size;
   r->record_unsubmitted = false;
   r->record_imm = imm_value(true, c->remote_comm_id, c->head);
+  r->inline_slot = -1;
   return r;
 }
 
@@ -166,6 +167,7 @@ Status failed_send(SendComm* c, const Status& why, void** request) {
   r->pending.store(0, std::memory_order_relaxed);
   r->size = 0;
   r->record_unsubmitted = false;
+  r->inline_slot = -1;
   --c->free_count;
   r->in_use = true;
   *request = r;
@@ -414,6 +416,7 @@ Status send_eager(SendComm* c, const void* data, size_t size, int tag, void** re
   post_record_or_defer(c, r);
   e.start_submitted(c->dev->group);
   c->inline_user[islot] = r->index;
+  r->inline_slot = static_cast<int>(islot);
   --c->free_count;
   r->in_use = true;
   c->eager_pending = true;
@@ -537,7 +540,10 @@ static Status isend_now(void* send_comm, void* data, size_t size, int tag, void*
   // (NCCL's) leaves what it submits to its next progress() pass, one provider poll later (a
   // syscall on tcp). Not a large one: posting 4 MiB here cost the bandwidth row 15-25 % on tcp.
   if (len <= kStartNowBytes) e.start_submitted(d->group);
-  if (copy) c->inline_user[islot] = r->index;
+  if (copy) {
+    c->inline_user[islot] = r->index;
+    r->inline_slot = static_cast<int>(islot);
+  }
   --c->free_count;
   r->in_use = true;
   c->matched |= 1u << i;
@@ -740,7 +746,11 @@ static Status test_now(void* request, int* done, size_t* sizes, int* count) {
       for (auto& t : static_cast<RecvRequest*>(r)->targets) t.store(nullptr, std::memory_order_release);
     if (r->type == ReqType::kSend) {
       auto* s = static_cast<SendComm*>(c);
-      s->free_list[s->free_count++] = static_cast<SendRequest*>(r)->index;
+      auto* sr = static_cast<SendRequest*>(r);
+      // Its inline slot is free (its writes ended): the index, handed out again, no longer names
+      // the slot's user (a later large send reusing it would make the slot's next small one wait).
+      if (sr->inline_slot >= 0 && s->inline_user[sr->inline_slot] == sr->index) s->inline_user[sr->inline_slot] = -1;
+      s->free_list[s->free_count++] = sr->index;
     }
     return st;
   };

@@ -148,6 +148,7 @@ struct SendRequest : Request {
   size_t record_len = 0;
   size_t record_dst_offset = 0;
   uint32_t record_imm = 0;
+  int inline_slot = -1;  // the outbox inline slot its write copied into (SendComm::inline_user); -1: none
 };
 
 struct RecvRequest : Request {
@@ -210,7 +211,8 @@ struct SendComm : CommBase {
   // Size records to write (one per request), then one inline slot per CTS slot (record + data).
   HostBuffer outbox{kSendRequests * kRecordBytes + kInlineArea};
   // Per CTS slot: the request whose inline write last used that outbox slot (-1: none), which
-  // must have ended before the slot is filled again.
+  // must have ended before the slot is filled again. Cleared when that request is handed back
+  // (test), so that the index, reused by a later request, never stands for the slot's user.
   int inline_user[kMaxRequests];
   RemoteRegion records;                                     // the receiver's record area
   uint64_t head = 0;                                        // request number being matched

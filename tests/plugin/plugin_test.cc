@@ -270,6 +270,68 @@ TEST_F(PluginTest, SmallMessagesCycleEveryInlineSlot) {
   close_pair(net(), &p);
 }
 
+// A small message copied into its CTS slot's outbox area waits for that area's previous user
+// (request n - 32) to end. Request indices are reused once tested (last in, first out): request 0's
+// index, freed, carries request 1, a 64 MiB send still on the wire when request 32, small, comes to
+// the same slot. It must go at once, not wait for the unrelated large send.
+TEST_F(PluginTest, ASmallSendDoesNotWaitForALargeOneThatReusedItsSlotsLastRequest) {
+  Pair p;
+  ASSERT_OK(connect_pair(net(), 0, 0, &p));
+  constexpr int kWindow = 32;
+  constexpr size_t kSmall = 8, kLarge = 64u << 20;
+  std::vector<std::unique_ptr<Buffer>> src, dst;
+  for (int i = 0; i <= kWindow; ++i) {
+    const size_t size = i == 1 ? kLarge : kSmall;
+    src.push_back(std::make_unique<Buffer>(net(), p.send, size));
+    dst.push_back(std::make_unique<Buffer>(net(), p.recv, size));
+    fill(src.back()->data(), size, 300 + i);
+  }
+  auto post_recv_of = [&](int i, void** req) {
+    void* data[1] = {dst[i]->data()};
+    size_t sizes[1] = {dst[i]->size()};
+    int tags[1] = {4};
+    void* mhs[1] = {dst[i]->mh()};
+    return post_recv(net(), p.recv, 1, data, sizes, tags, mhs, req);
+  };
+  std::vector<void*> rreq(kWindow + 1), sreq(kWindow + 1);
+  // Request 0: inline, tested to its end on both sides (its index goes back on the free list).
+  ASSERT_OK(post_recv_of(0, &rreq[0]));
+  ASSERT_OK(post_send(net(), p.send, src[0]->data(), kSmall, 4, src[0]->mh(), &sreq[0]));
+  int got[8] = {-1};
+  ASSERT_OK(wait_request(net(), sreq[0], got));
+  ASSERT_OK(wait_request(net(), rreq[0], got));
+  // Requests 1..32 posted in a run (no receive tested between: every CTS goes at irecv).
+  for (int i = 1; i <= kWindow; ++i) ASSERT_OK(post_recv_of(i, &rreq[i]));
+  for (int i = 1; i < kWindow; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_OK(post_send(net(), p.send, src[i]->data(), src[i]->size(), 4, src[i]->mh(), &sreq[i]));
+  }
+  // Request 32 (request 0's slot): isend gives a request while request 1 is still moving.
+  int large_done = 0;
+  const auto deadline = Clock::now() + kDeadline;
+  while (!sreq[kWindow] && !large_done && Clock::now() < deadline) {
+    ASSERT_OK(net()->isend(p.send, src[kWindow]->data(), kSmall, 4, src[kWindow]->mh(), nullptr, &sreq[kWindow]));
+    if (!sreq[kWindow]) {
+      int size = 0;
+      ASSERT_OK(net()->test(sreq[1], &large_done, &size));
+    }
+  }
+  ASSERT_NE(sreq[kWindow], nullptr)
+      << (large_done ? "the small send into request 0's slot waited until the 64 MiB send that reused request 0's "
+                       "index ended"
+                     : "the small send into request 0's slot got no request in time");
+  for (int i = 1; i <= kWindow; ++i) {
+    SCOPED_TRACE(i);
+    int sent = -1;
+    if (i != 1 || !large_done) ASSERT_OK(wait_request(net(), sreq[i], &sent));
+    ASSERT_OK(wait_request(net(), rreq[i], got));
+    EXPECT_EQ(got[0], static_cast<int>(src[i]->size()));
+    EXPECT_EQ(mismatch(dst[i]->data(), src[i]->size(), 300 + i), SIZE_MAX);
+  }
+  close_pair(net(), &p);
+}
+
+
 TEST_F(PluginTest, GroupedReceiveTagsPickTheSlot) {
   Pair p;
   ASSERT_OK(connect_pair(net(), 0, 0, &p));
