@@ -79,6 +79,7 @@ struct Options {
   enum Mode { kLoopback, kServer, kClient } mode = kLoopback;
   std::string host;
   int port = kDefaultPort;
+  int initiator_core = -1, target_core = -1;  // --worker-cores: each end's engine worker; -1: not pinned
 };
 
 struct Row {
@@ -285,11 +286,13 @@ struct Bench {
   RemoteRegion peer_region;
 };
 
-std::unique_ptr<Engine> make_engine(const Options& o) {
+// target: the end that is written to (the forked peer, or --server).
+std::unique_ptr<Engine> make_engine(const Options& o, bool target) {
   auto cfg = ponte::Config::from_env();
   check(cfg.status(), "configuration");
   ponte::EngineOptions eo;
   eo.config = cfg.value();
+  if (const int core = target ? o.target_core : o.initiator_core; core >= 0) eo.group_cores = {{core}};
   if (o.mode == Options::kLoopback) {
     // One process per end on one host: the same device opened `nics` times stands for N NICs.
     eo.groups = {std::vector<size_t>(static_cast<size_t>(o.nics), 0)};
@@ -437,7 +440,7 @@ void run_target(Channel& ch, const Options& o) {
   if (hello.kind != 'H' || hello.count != kMagic || hello.imm != kProtocolVersion)
     die("the client is not a ponte-bench of this version");
   Bench b;
-  b.engine = make_engine(o);
+  b.engine = make_engine(o, /*target=*/true);
   setup_memory(b, hello.size);
   std::vector<uint8_t> client_address;
   exchange(b, ch, &client_address);
@@ -906,7 +909,7 @@ int run_client(Channel& ch, const Options& o) {
   hello.size = max_size;
   ch.send_ctrl(hello);
   Bench b;
-  b.engine = make_engine(o);
+  b.engine = make_engine(o, /*target=*/false);
   setup_memory(b, max_size);
   std::vector<uint8_t> target_address;
   exchange(b, ch, &target_address);
@@ -951,12 +954,14 @@ int run_client(Channel& ch, const Options& o) {
   fprintf(code ? stderr : stdout,
           "usage: ponte-bench [--backend fabric|verbs] [--provider P] [--op write|write-imm|send|lat[,...]]\n"
           "                   [--sizes 8,64k,1m,...] [--window N] [--slots N] [--nics N] [--iters N] [--timeout S]\n"
-          "                   [--json] [--server | --client HOST] [--port P] [--version]\n"
+          "                   [--worker-cores I[,T]] [--json] [--server | --client HOST] [--port P] [--version]\n"
           "Moves data through ponte's engine between two processes, verifies it, then prints bandwidth,\n"
           "latency and CPU per operation. Default: both ends on this host over loopback (the peer is\n"
           "forked), provider tcp;ofi_rxm, op write-imm,lat, sizes 64,64k,1m,8m (lat: 8 bytes), window 16,\n"
           "1 NIC. --slots N: bandwidth operation k moves slot k %% N of both buffers (N x the largest\n"
           "size each; default 1: every operation the same bytes, as ib_write_bw).\n"
+          "--worker-cores I[,T]: pins the initiator's engine worker to core I and the target's to T\n"
+          "(default I), as PONTE_PROGRESS_CORES does for one end; unpinned by default.\n"
           "--server / --client HOST run the two ends on two hosts (TCP port %d for the setup).\n"
           "Environment: PONTE_BACKEND, PONTE_FABRIC_PROVIDER and every other PONTE_* variable.\n",
           kDefaultPort);
@@ -1052,6 +1057,16 @@ Options parse_args(int argc, char** argv) {
       o.window = static_cast<int>(parse_long("--window", v, 1, 4096));
     } else if (a == "--slots") {
       o.slots = static_cast<int>(parse_long("--slots", v, 1, 4096));
+    } else if (a == "--worker-cores") {
+      const std::vector<std::string> cores = split(v);
+      if (cores.empty() || cores.size() > 2) {
+        fprintf(stderr, "ponte-bench: --worker-cores wants I or I,T (core numbers), got '%s'\n", v);
+        usage(2);
+      }
+      o.initiator_core = static_cast<int>(parse_long("--worker-cores", cores[0].c_str(), 0, CPU_SETSIZE - 1));
+      o.target_core = cores.size() == 2
+                          ? static_cast<int>(parse_long("--worker-cores", cores[1].c_str(), 0, CPU_SETSIZE - 1))
+                          : o.initiator_core;
     } else if (a == "--nics") {
       o.nics = static_cast<int>(parse_long("--nics", v, 1, ponte::kMaxNicsPerGroup));
     } else if (a == "--iters") {

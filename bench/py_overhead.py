@@ -13,6 +13,14 @@ Both verify data before measuring. Runs alternate ``--repeat`` times, the order 
 one each round (so every row runs first in some round); the best run of each is kept
 (the machine is shared), and a second line gives each round's own ratio (python and C++ runs side by
 side) with their median and range, which show how far the rounds disagree.
+``--pin S,R`` places both streams alike on two cores: the sending engine's worker on core S, the
+target's on R (``ponte-bench --worker-cores S,R``; ``Engine(progress_cores=...)``), and the Python
+sender's own thread (it submits and waits; ponte-bench submits from its worker) off the core of
+whichever thread moves the data. On shm the sending worker posts every write (a wait only
+reaps): the Python thread goes on R, beside the target's worker. Elsewhere (tcp;ofi_rxm) a waiting
+Python thread polls and posts itself while its worker stands back (Engine::progress): it goes on S.
+Unpinned (default), the scheduler puts the Python thread where it likes, often on the sending
+worker's core.
 Target: python/C++ >= 0.9 at window 16. ``proc_us/op``: CPU time of the
 sending process per write over the timed loop: Python's counts every thread (its waits included);
 ponte-bench's (``proc_ns_per_op``) every thread but its main one, plus that thread's submit calls.
@@ -55,13 +63,13 @@ def find_build(build):
     sys.exit("py_overhead: no build with the ponte module (build/python/ponte); build it or pass --build")
 
 
-def target_proc(conn, provider, size, window, build):
+def target_proc(conn, provider, size, window, build, pin=None):
     """The receiving side of the Python stream: registers a window of slots and checks the pattern."""
     sys.path.insert(0, os.path.join(build, "python"))
     import numpy as np
     import ponte
     try:
-        eng = ponte.Engine(provider=provider)
+        eng = ponte.Engine(provider=provider, progress_cores=[pin[1]] if pin else [])
         buf = np.zeros(size * window, dtype=np.uint8)
         reg = eng.register(buf)
         conn.send((eng.address(), reg.descriptor()))
@@ -89,23 +97,28 @@ def target_proc(conn, provider, size, window, build):
         conn.send("error: %r" % (e,))
 
 
-def python_stream(provider, size, window, iters, build, batch=1):
+def python_stream(provider, size, window, iters, build, batch=1, pin=None):
     """One Python run: verify, then the timed stream. Returns GB/s, Mops.
 
     batch 1: one ``write`` per write; when window writes are in flight, the oldest is waited for.
     batch B > 1: ``paged_write`` of B slots per call (B writes, one Operation), window // B calls in
-    flight: what a Python user moving many equal pieces (KV-cache pages) writes."""
+    flight: what a Python user moving many equal pieces (KV-cache pages) writes.
+    pin (S, R): the sending worker on S, the target's on R, this thread on R for shm, else on S
+    (module doc)."""
     import numpy as np
     import ponte
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target_proc, args=(child, provider, size, window, build), daemon=True)
+    proc = ctx.Process(target=target_proc, args=(child, provider, size, window, build, pin), daemon=True)
     proc.start()
+    cores = os.sched_getaffinity(0)
     try:
         if not parent.poll(60):
             raise RuntimeError("python target did not start")
         addr, remote = parent.recv()
-        eng = ponte.Engine(provider=provider)
+        eng = ponte.Engine(provider=provider, progress_cores=[pin[0]] if pin else [])
+        if pin:  # this thread only (the engine's worker has its own)
+            os.sched_setaffinity(0, {pin[1] if provider == "shm" else pin[0]})
         src = np.zeros(size * window, dtype=np.uint8)
         reg = eng.register(src)
         peer = eng.connect(addr)
@@ -161,16 +174,19 @@ def python_stream(provider, size, window, iters, build, batch=1):
         eng.close()
         return {"GBps": iters * size / dt / 1e9, "Mops": iters / dt / 1e6, "proc_us": cpu / iters * 1e6}
     finally:
+        os.sched_setaffinity(0, cores)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
 
 
-def cpp_stream(bench, provider, size, window, iters):
+def cpp_stream(bench, provider, size, window, iters, pin=None):
     # --slots window: write k moves slot k % window of both buffers, as the Python stream does (one
     # slot for every write would keep 64 KiB of each buffer in cache where Python's stream walks 1 MiB).
     cmd = [bench, "--provider", provider, "--op", "write", "--sizes", str(size), "--window", str(window),
            "--slots", str(window), "--iters", str(iters), "--json", "--timeout", "60"]
+    if pin:
+        cmd += ["--worker-cores", "%d,%d" % pin]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError("%s failed (exit %d): %s" % (" ".join(cmd), p.returncode, p.stderr[-2000:]))
@@ -216,6 +232,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4,
                     help="also a Python row with paged_write of this many writes per call (0: no such row)")
     ap.add_argument("--build", default=None)
+    ap.add_argument("--pin", default=None, metavar="S,R",
+                    help="write streams: sending worker on core S, target's on R; the Python sender's thread on R "
+                         "for shm, on S elsewhere (see above)")
     ap.add_argument("--ep", choices=["auto", "off"], default="auto", help="also dispatch+combine vs ep-bench")
     ap.add_argument("--ep-world", type=int, default=2)
     ap.add_argument("--ep-tokens", type=int, default=128)
@@ -239,9 +258,20 @@ def main():
     size = parse_size(a.size)
     if a.batch < 0 or a.batch == 1 or (a.batch and a.window % a.batch):
         sys.exit("py_overhead: --batch must be 0 or a divisor of --window larger than 1")
+    pin = None
+    if a.pin:
+        try:
+            pin = tuple(int(x) for x in a.pin.split(","))
+        except ValueError:
+            pin = ()
+        if len(pin) != 2 or not set(pin) <= os.sched_getaffinity(0) or pin[0] == pin[1]:
+            sys.exit("py_overhead: --pin wants two different cores this process may use, as S,R (got %s)" % a.pin)
     failed = False
     print("py_overhead: %d-byte writes, window %d, %d per run, best of %d, rows rotated each round"
-          " (two processes on loopback)" % (size, a.window, a.iters, a.repeat))
+          " (two processes on loopback)%s" % (size, a.window, a.iters, a.repeat,
+                                              "; pinned: sending worker on core %d, target's on core %d, the Python"
+                                              " sender's thread on %d for shm (the worker posts) and on %d elsewhere"
+                                              " (its waits post)" % (pin + (pin[1], pin[0])) if pin else ""))
     print("%-14s %-8s %10s %10s %10s %12s" % ("provider", "who", "BW[GB/s]", "Mops", "us/op", "proc_us/op"))
     for provider in a.providers.split(","):
         pyb = "py-b%d" % a.batch
@@ -251,11 +281,11 @@ def main():
             for who in rotated(whos, i):
                 try:
                     if who == "python":
-                        runs[who].append(python_stream(provider, size, a.window, a.iters, build))
+                        runs[who].append(python_stream(provider, size, a.window, a.iters, build, pin=pin))
                     elif who == pyb:
-                        runs[who].append(python_stream(provider, size, a.window, a.iters, build, a.batch))
+                        runs[who].append(python_stream(provider, size, a.window, a.iters, build, a.batch, pin))
                     else:
-                        runs[who].append(cpp_stream(bench, provider, size, a.window, a.iters))
+                        runs[who].append(cpp_stream(bench, provider, size, a.window, a.iters, pin))
                 except Exception as e:
                     print("py_overhead: %s on %s: %s" % (who, provider, e))
                     runs[who].append(None)  # keeps the rounds aligned for the per-round ratios

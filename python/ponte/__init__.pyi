@@ -71,12 +71,18 @@ class Engine:
     that peers' writes into an engine that waits for nothing move at once on a provider that needs
     the target's progress (tcp;ofi_rxm), at some cost to small messages' latency there.
 
+    progress_cores=[c] (PONTE_PROGRESS_CORES=c): the engine's worker runs on core c ([] unpinned).
+    On shm the worker posts every operation, and a thread that submits and waits on core c takes
+    turns with it: keep such threads off it (os.sched_setaffinity) where cores are few. Elsewhere a
+    waiting thread polls and posts itself. README, "Python".
+
     An engine belongs to the process that created it: in a fork() child (its threads stayed in the
     parent) every call raises ponte.Error with Code.UNAVAILABLE, and closing it there leaves the
     parent's engine alone. A child that needs RDMA creates its own.
     """
     def __init__(self, *, backend: str = ..., provider: str = ..., nics: int = ..., timeout_ms: int = ...,
-                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...) -> None: ...
+                 stripe_min: int = ..., spin_us: int = ..., ctrl_addr: str = ..., idle_wake: bool = ...,
+                 progress_cores: Sequence[int] = ...) -> None: ...
     @property
     def backend(self) -> str:
         """'fabric' or 'verbs'."""

@@ -9,6 +9,8 @@
 // OpState holds its Region (and so the caller's buffer and the registration) until it is freed.
 #include "python/src/engine_binding.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -739,9 +741,17 @@ Config engine_config(const pyb::kwargs& kw) {
     } else if (k == "idle_wake") {
       if (!PyBool_Check(v.ptr())) raise_type("idle_wake must be a bool");
       c.idle_wake_on_data = v.ptr() == Py_True;
+    } else if (k == "progress_cores") {
+      // As PONTE_PROGRESS_CORES (group i's worker on entry i mod n): this engine's one group takes the
+      // first; an empty sequence leaves the worker unpinned.
+      if (PyUnicode_Check(v.ptr()) || PyBytes_Check(v.ptr()) || !PySequence_Check(v.ptr()))
+        raise_type("progress_cores must be a sequence of core numbers, e.g. [2] or (2, 3)");
+      c.progress_cores.clear();
+      for (pyb::handle core : pyb::reinterpret_borrow<pyb::sequence>(v))
+        c.progress_cores.push_back(arg_int(core, "progress_cores[i]", 0, CPU_SETSIZE - 1));
     } else {
       raise_type("Engine() got an unexpected keyword argument '%s' (known: backend, provider, nics, timeout_ms, "
-                 "stripe_min, spin_us, ctrl_addr, idle_wake)", k.c_str());
+                 "stripe_min, spin_us, ctrl_addr, idle_wake, progress_cores)", k.c_str());
     }
   }
   return c;
@@ -811,7 +821,9 @@ void bind_engine(pyb::module_& m) {
       "ponte's RDMA engine (one host-memory NIC group). Configured by the PONTE_* environment variables; "
       "keyword overrides: backend ('auto'|'fabric'|'verbs'), provider (libfabric provider, e.g. 'tcp;ofi_rxm', "
       "'shm'), nics, timeout_ms, stripe_min, spin_us, ctrl_addr, idle_wake (PONTE_IDLE_WAKE: an idle engine "
-      "wakes for data arriving; for an engine written to while it waits for nothing). An engine belongs to the "
+      "wakes for data arriving; for an engine written to while it waits for nothing), progress_cores "
+      "(PONTE_PROGRESS_CORES: the worker runs on the first, e.g. [2]; [] unpinned; on shm keep the threads "
+      "that submit and wait off that core: README, Python). An engine belongs to the "
       "process that created it: in a fork() child its calls raise ponte.Error (UNAVAILABLE); create one there.")
       .def(py::init([](py::kwargs kw) { return make_engine(kw); }))
       .def_property_readonly("backend", [](EngineState& s) { return std::string(backend_name(s.live("backend").backend())); },

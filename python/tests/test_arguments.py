@@ -158,6 +158,14 @@ def test_register_arguments(self_link):
         ponte.Engine(backend="carrier-pigeon")
     with pytest.raises(TypeError, match="idle_wake must be a bool"):
         ponte.Engine(idle_wake=1)
+    with pytest.raises(TypeError, match="progress_cores must be a sequence"):
+        ponte.Engine(progress_cores=2)
+    with pytest.raises(TypeError, match="progress_cores must be a sequence"):
+        ponte.Engine(progress_cores="2")
+    with pytest.raises(ValueError, match=r"progress_cores\[i\] must be in \[0, 1023\]"):
+        ponte.Engine(progress_cores=[0, -1])
+    with pytest.raises(TypeError, match=r"progress_cores\[i\]"):
+        ponte.Engine(progress_cores=[1.5])
 
 
 def test_region_keeps_its_object_alive_and_closes(self_link):

@@ -50,3 +50,84 @@ def test_py_overhead_rotates_the_rows_each_round():
         assert sorted(o[place] for o in orders) == sorted(rows), (place, orders)
     assert orders[0] == list(rows)  # the first round keeps the order the table prints
     assert tool.rotated(rows, 4) == orders[1]  # more rounds than rows wrap around
+
+
+def engine_workers(pid):
+    """The ponte-g* threads of process pid: {tid: allowed cores}."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if f.read().startswith("ponte-g"):
+                    out[int(tid)] = os.sched_getaffinity(int(tid))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def children_of(pid):
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def test_ponte_bench_worker_cores_pins_each_ends_worker():
+    """--worker-cores I,T: the initiator's engine worker may run on core I only, the forked
+    target's on T only."""
+    import pytest
+    import time
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("this process may use one core only: pinned workers look like unpinned ones")
+    first, second = cores[-1], cores[0]
+    bench = os.path.join(BUILD, "bench", "ponte-bench")
+    p = subprocess.Popen([bench, "--provider", "shm", "--op", "write", "--sizes", "4k", "--iters", "100000000",
+                          "--timeout", "60", "--worker-cores", "%d,%d" % (first, second)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        mine, theirs = {}, {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (mine and theirs) and p.poll() is None:
+            mine = engine_workers(p.pid)
+            theirs = {t: c for k in children_of(p.pid) for t, c in engine_workers(k).items()}
+            time.sleep(0.05)
+        assert mine and theirs, "no engine worker seen in both ends (exit %r)" % p.poll()
+        assert list(mine.values()) == [{first}], "initiator's workers: %r" % mine
+        assert list(theirs.values()) == [{second}], "target's workers: %r" % theirs
+    finally:
+        p.kill()
+        p.wait(30)
+    bad = subprocess.run([bench, "--worker-cores", "1,2,3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "--worker-cores wants I or I,T" in bad.stdout, bad.stdout
+
+
+def test_py_overhead_pin_places_both_streams():
+    """--pin S,R runs every stream row pinned (and says where); the rows still verify their data."""
+    import pytest
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("this process may use one core only: --pin needs two")
+    cmd = [sys.executable, os.path.join(REPO, "bench", "py_overhead.py"), "--build", BUILD, "--iters", "256",
+           "--repeat", "1", "--batch", "0", "--ep", "off", "--providers", "shm,tcp;ofi_rxm",
+           "--pin", "%d,%d" % (cores[0], cores[-1])]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "pinned: sending worker on core %d, target's on core %d" % (cores[0], cores[-1]) in p.stdout
+    for provider in ("shm", "tcp;ofi_rxm"):
+        assert re.search(r"^%s\s+ratio python/c\+\+ = \d" % re.escape(provider), p.stdout, re.M), provider
+    same = subprocess.run(cmd[:-1] + ["%d,%d" % (cores[0], cores[0])], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert same.returncode != 0 and "--pin wants two different cores" in same.stdout, same.stdout

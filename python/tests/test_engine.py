@@ -245,6 +245,53 @@ def test_striped_writes_over_two_nics(provider):
         other.close()
 
 
+def worker_threads():
+    """This process's engine workers (thread name ponte-g<group>): {tid: allowed cores}."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open("/proc/self/task/%s/comm" % tid) as f:
+                if not f.read().startswith("ponte-g"):
+                    continue
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+    return out
+
+
+def test_progress_cores_pins_the_worker_and_writes_still_move(provider):
+    """progress_cores=[c]: the engine's worker may run on core c only, and the engine works."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("this process may use one core only: a pinned worker looks like an unpinned one")
+    core = allowed[-1]  # a core this process may use, not the first: pinning shows
+    before = worker_threads()
+    eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, progress_cores=[core])
+    other = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS)
+    try:
+        new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+        assert list(new.values()) == [{core}], "workers started by the engine and their cores: %r" % new
+        remote = other.call("register", 1 << 20)
+        src = np.zeros(1 << 20, dtype=np.uint8)
+        src[:] = pattern(1 << 20, 41)
+        with eng.register(src) as r:
+            pid = eng.connect(other.addr)
+            per = eng.imms_per_write(pid, 1 << 20)
+            other.call("arm", "w", 4100, per)
+            eng.write(pid, r, 0, 1 << 20, remote, 0, imm=4100).wait(20)
+            other.call("wait", "w")
+            assert other.call("check", 0, 1 << 20, 41, 0, 0.0) == -1
+        eng.close()
+        unpinned = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, progress_cores=[])
+        try:
+            new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+            assert set(allowed) in new.values(), "progress_cores=[] must leave the worker unpinned: %r" % new
+        finally:
+            unpinned.close()
+    finally:
+        other.close()
+
+
 def test_dead_peer_ends_operations_with_error_within_timeout(provider):
     if provider == "shm":
         # Seen here: a writer then spins forever inside fi_writedata on the dead peer's shared-memory
