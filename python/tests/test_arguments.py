@@ -1,5 +1,6 @@
 """Bad arguments raise ValueError/TypeError naming the argument; nothing crashes the interpreter.
 One engine connected to itself (no second process needed to refuse input)."""
+import os
 import time
 
 import numpy as np
@@ -166,6 +167,10 @@ def test_register_arguments(self_link):
         ponte.Engine(progress_cores=[0, -1])
     with pytest.raises(TypeError, match=r"progress_cores\[i\]"):
         ponte.Engine(progress_cores=[1.5])
+    outside = max(os.sched_getaffinity(0)) + 1
+    if outside < 1024:
+        with pytest.raises(ValueError, match="may not run on core %d" % outside):
+            ponte.Engine(progress_cores=[outside])
 
 
 def test_region_keeps_its_object_alive_and_closes(self_link):

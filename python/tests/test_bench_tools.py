@@ -97,11 +97,13 @@ def test_ponte_bench_worker_cores_pins_each_ends_worker():
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         mine, theirs = {}, {}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (mine and theirs) and p.poll() is None:
+        deadline = time.monotonic() + 20
+        # A worker names itself, then pins itself, as it starts: looked at until both are pinned.
+        while time.monotonic() < deadline and p.poll() is None and not (
+                list(mine.values()) == [{first}] and list(theirs.values()) == [{second}]):
             mine = engine_workers(p.pid)
             theirs = {t: c for k in children_of(p.pid) for t, c in engine_workers(k).items()}
-            time.sleep(0.05)
+            time.sleep(0.02)
         assert mine and theirs, "no engine worker seen in both ends (exit %r)" % p.poll()
         assert list(mine.values()) == [{first}], "initiator's workers: %r" % mine
         assert list(theirs.values()) == [{second}], "target's workers: %r" % theirs

@@ -259,6 +259,17 @@ def worker_threads():
     return out
 
 
+def new_workers(before, want):
+    """The engine workers not in before, once one has the cores want (its thread names and pins
+    itself as it starts, after Engine() returned), or as they are after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+        if want in new.values() or time.monotonic() > deadline:
+            return new
+        time.sleep(0.01)
+
+
 def test_progress_cores_pins_the_worker_and_writes_still_move(provider):
     """progress_cores=[c]: the engine's worker may run on core c only, and the engine works."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -269,7 +280,7 @@ def test_progress_cores_pins_the_worker_and_writes_still_move(provider):
     eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, progress_cores=[core])
     other = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS)
     try:
-        new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+        new = new_workers(before, {core})
         assert list(new.values()) == [{core}], "workers started by the engine and their cores: %r" % new
         remote = other.call("register", 1 << 20)
         src = np.zeros(1 << 20, dtype=np.uint8)
@@ -284,7 +295,7 @@ def test_progress_cores_pins_the_worker_and_writes_still_move(provider):
         eng.close()
         unpinned = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, progress_cores=[])
         try:
-            new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+            new = new_workers(before, set(allowed))
             assert set(allowed) in new.values(), "progress_cores=[] must leave the worker unpinned: %r" % new
         finally:
             unpinned.close()
