@@ -113,6 +113,11 @@ def test_ponte_bench_worker_cores_pins_each_ends_worker():
     bad = subprocess.run([bench, "--worker-cores", "1,2,3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "--worker-cores wants I or I,T" in bad.stdout, bad.stdout
+    outside = max(os.sched_getaffinity(0)) + 1
+    if outside < 1024:
+        bad = subprocess.run([bench, "--worker-cores", "%d,%d" % (first, outside)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=30)
+        assert bad.returncode == 2 and "may not run on core %d" % outside in bad.stdout, bad.stdout
 
 
 def test_py_overhead_pin_places_both_streams():
