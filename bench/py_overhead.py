@@ -69,7 +69,8 @@ def target_proc(conn, provider, size, window, build, pin=None):
     import numpy as np
     import ponte
     try:
-        eng = ponte.Engine(provider=provider, progress_cores=[pin[1]] if pin else [])
+        # Unpinned: PONTE_PROGRESS_CORES, if set, places it, as it does ponte-bench's.
+        eng = ponte.Engine(provider=provider, **({"progress_cores": [pin[1]]} if pin else {}))
         buf = np.zeros(size * window, dtype=np.uint8)
         reg = eng.register(buf)
         conn.send((eng.address(), reg.descriptor()))
@@ -116,7 +117,7 @@ def python_stream(provider, size, window, iters, build, batch=1, pin=None):
         if not parent.poll(60):
             raise RuntimeError("python target did not start")
         addr, remote = parent.recv()
-        eng = ponte.Engine(provider=provider, progress_cores=[pin[0]] if pin else [])
+        eng = ponte.Engine(provider=provider, **({"progress_cores": [pin[0]]} if pin else {}))
         if pin:  # this thread only (the engine's worker has its own)
             os.sched_setaffinity(0, {pin[1] if provider == "shm" else pin[0]})
         src = np.zeros(size * window, dtype=np.uint8)
