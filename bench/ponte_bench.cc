@@ -1067,13 +1067,10 @@ Options parse_args(int argc, char** argv) {
       o.target_core = cores.size() == 2
                           ? static_cast<int>(parse_long("--worker-cores", cores[1].c_str(), 0, CPU_SETSIZE - 1))
                           : o.initiator_core;
-      cpu_set_t allowed;  // a core the worker cannot run on would leave it unpinned, with a log line only
-      if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
-        for (int core : {o.initiator_core, o.target_core})
-          if (!CPU_ISSET(core, &allowed)) {
-            fprintf(stderr, "ponte-bench: --worker-cores: this process may not run on core %d\n", core);
-            usage(2);
-          }
+      if (Status st = ponte::check_cores_usable({o.initiator_core, o.target_core}, "--worker-cores"); !st.ok()) {
+        fprintf(stderr, "ponte-bench: %s\n", st.message());  // Engine::create would refuse it after the fork
+        usage(2);
+      }
     } else if (a == "--nics") {
       o.nics = static_cast<int>(parse_long("--nics", v, 1, ponte::kMaxNicsPerGroup));
     } else if (a == "--iters") {

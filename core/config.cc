@@ -1,6 +1,8 @@
 // Parses every PONTE_* environment variable once (see the table in README.md).
 #include "core/config.h"
 
+#include <sched.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -162,6 +164,18 @@ Result<Config> Config::from_env() {
     else return Status(Code::kInvalidArgument, "PONTE_LOG='%s': expected error|warn|info|debug", v);
   }
   return c;
+}
+
+Status check_cores_usable(const std::vector<int>& cores, const char* what) {
+  if (cores.empty()) return Status::Ok();
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0)
+    return Status(Code::kInternal, "%s: sched_getaffinity: %s", what, strerror(errno));
+  for (int core : cores)
+    if (core < 0 || core >= CPU_SETSIZE || !CPU_ISSET(core, &allowed))
+      return Status(Code::kInvalidArgument, "%s: this process may not run on core %d", what, core);
+  return Status::Ok();
 }
 
 const Config& global_config() {

@@ -66,4 +66,9 @@ const Config& global_config();
 // Parses "64k", "1m", "4096", "2g" into bytes.
 Result<size_t> parse_size(const std::string& text);
 
+// OK when this process may run on every one of cores (its sched_getaffinity); else
+// kInvalidArgument "<what>: this process may not run on core N". A worker pinned to such a core
+// would run unpinned, with a log line only.
+Status check_cores_usable(const std::vector<int>& cores, const char* what);
+
 }  // namespace ponte

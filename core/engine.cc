@@ -125,6 +125,10 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions opts) {
   std::random_device rd;
   im.nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
 
+  // Cores the caller named must be usable; the ones the topology picks (per_gpu_groups) are best
+  // effort, as a container's cpuset may leave them out.
+  PONTE_RETURN_IF_ERROR(check_cores_usable(cfg.progress_cores, "PONTE_PROGRESS_CORES"));
+  for (const auto& cores : im.opts.group_cores) PONTE_RETURN_IF_ERROR(check_cores_usable(cores, "group_cores"));
   auto groups = im.opts.groups;
   if (groups.empty() && im.opts.per_gpu_groups) {
     PONTE_ASSIGN_OR_RETURN(auto layout, gpu_layout(devs, cfg));

@@ -69,7 +69,7 @@ struct EngineOptions {
   // Groups to build. Empty: one host-memory group over config.nics_per_group NICs (all when 0).
   // Each entry lists device indexes of the backend (repeating an index opens that device again).
   std::vector<std::vector<size_t>> groups;
-  std::vector<std::vector<int>> group_cores;  // pin group i's worker to these cores (optional)
+  std::vector<std::vector<int>> group_cores;  // pin group i's worker to these cores (optional; each usable here)
   // With groups empty: true builds one group per GPU from the topology (hwloc, or PONTE_TOPO_FILE),
   // each GPU's nearest NICs matched by PCI bus id and its worker pinned near it; false (default)
   // one host-memory group.

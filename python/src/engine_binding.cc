@@ -746,17 +746,11 @@ Config engine_config(const pyb::kwargs& kw) {
       // first; an empty sequence leaves the worker unpinned.
       if (PyUnicode_Check(v.ptr()) || PyBytes_Check(v.ptr()) || !PySequence_Check(v.ptr()))
         raise_type("progress_cores must be a sequence of core numbers, e.g. [2] or (2, 3)");
-      cpu_set_t allowed;
-      CPU_ZERO(&allowed);
-      if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) CPU_ZERO(&allowed);
       c.progress_cores.clear();
-      for (pyb::handle core : pyb::reinterpret_borrow<pyb::sequence>(v)) {
-        const int n = arg_int(core, "progress_cores[i]", 0, CPU_SETSIZE - 1);
-        // A core the worker could not run on would leave it unpinned with a log line only.
-        if (CPU_COUNT(&allowed) > 0 && !CPU_ISSET(n, &allowed))
-          raise_value("progress_cores: this process may not run on core %d (os.sched_getaffinity(0))", n);
-        c.progress_cores.push_back(n);
-      }
+      for (pyb::handle core : pyb::reinterpret_borrow<pyb::sequence>(v))
+        c.progress_cores.push_back(arg_int(core, "progress_cores[i]", 0, CPU_SETSIZE - 1));
+      // Engine.create would refuse it too, as a ponte.Error: a bad argument is a ValueError.
+      if (Status st = check_cores_usable(c.progress_cores, "progress_cores"); !st.ok()) raise_value("%s", st.message());
     } else {
       raise_type("Engine() got an unexpected keyword argument '%s' (known: backend, provider, nics, timeout_ms, "
                  "stripe_min, spin_us, ctrl_addr, idle_wake, progress_cores)", k.c_str());

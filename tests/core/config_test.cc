@@ -1,7 +1,10 @@
 // Config: PONTE_* variables parse, bad values are named in the error.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "core/config.h"
 
@@ -91,4 +94,31 @@ TEST(ParseSize, Suffixes) {
   EXPECT_FALSE(parse_size("").ok());
   EXPECT_FALSE(parse_size("k").ok());
   EXPECT_FALSE(parse_size("99999999999999999999g").ok());
+}
+
+// check_cores_usable: the cores this process may run on pass; any other is named in the error.
+TEST(CoresUsable, AllowedCoresPassOthersAreNamed) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  std::vector<int> usable;
+  int outside = -1;
+  for (int c = 0; c < CPU_SETSIZE; c++) {
+    if (CPU_ISSET(c, &allowed)) usable.push_back(c);
+    else if (outside < 0 && c > 0 && CPU_ISSET(c - 1, &allowed)) outside = c;
+  }
+  ASSERT_FALSE(usable.empty());
+  EXPECT_TRUE(check_cores_usable({}, "x").ok());
+  EXPECT_TRUE(check_cores_usable(usable, "x").ok());
+  std::vector<int> bad_cores = {-1, static_cast<int>(CPU_SETSIZE)};
+  if (outside > 0) bad_cores.push_back(outside);  // the first core past an allowed one, if any
+  for (int bad : bad_cores) {
+    Status st = check_cores_usable({usable[0], bad}, "PONTE_PROGRESS_CORES");
+    SCOPED_TRACE(bad);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument);
+    EXPECT_NE(std::string(st.message()).find("PONTE_PROGRESS_CORES: this process may not run on core " +
+                                             std::to_string(bad)),
+              std::string::npos)
+        << st.message();
+  }
 }

@@ -2,6 +2,7 @@
 // SoftRoCE guest with PONTE_TEST_BACKEND=verbs), every operation verified byte for byte.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -436,6 +437,35 @@ TEST_P(EngineTest, ScatterAndBarrierReachEveryPeer) {
   EXPECT_EQ(peers_[0]->cmd("expect 707 1"), "ok");
   EXPECT_EQ(peers_[1]->cmd("expect 707 1"), "ok");
   EXPECT_TRUE(b.wait(30s).ok());
+}
+
+// A worker core the caller names that this process may not run on is refused at create(), naming
+// the setting; pinned to it, the worker would run unpinned with a log line only.
+TEST_P(EngineTest, ACoreTheProcessMayNotRunOnIsRefused) {
+  EngineOptions o;
+  o.config = test_config(GetParam());
+  o.groups = {pick_devices(o.config, 'A', 1)};
+  o.config.progress_cores = {CPU_SETSIZE};
+  auto e = Engine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(std::string(e.status().message()).find("PONTE_PROGRESS_CORES: this process may not run on core"),
+            std::string::npos)
+      << e.status().message();
+  o.config.progress_cores.clear();
+  o.group_cores = {{-1}};
+  e = Engine::create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(std::string(e.status().message()).find("group_cores: this process may not run on core -1"),
+            std::string::npos)
+      << e.status().message();
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  int usable = 0;
+  while (!CPU_ISSET(usable, &allowed)) ++usable;
+  o.group_cores = {{usable}};
+  e = Engine::create(o);
+  EXPECT_TRUE(e.ok()) << e.status().message();
 }
 
 TEST_P(EngineTest, ConnectsToItself) {
