@@ -14,6 +14,23 @@ import numpy as np
 SPAWN = mp.get_context("spawn")
 
 
+def engine_workers(pid):
+    """The engine workers (thread name ponte-g<group>) of process pid: {tid: allowed cores}."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if f.read().startswith("ponte-g"):
+                    out[int(tid)] = os.sched_getaffinity(int(tid))
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # ended meanwhile
+    return out
+
+
 def pattern(n, seed, start=0):
     """The test pattern: n bytes for a seed, from byte `start` of the stream."""
     i = np.arange(start, start + n, dtype=np.uint64)

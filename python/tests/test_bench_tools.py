@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from peers import engine_workers
+
 REPO = os.environ.get("PONTE_REPO", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 # The build root whose python/ the tests import (conftest: PONTE_PY_BUILD, else build/python).
 BUILD = os.path.dirname(os.environ.get("PONTE_PY_BUILD", os.path.join(REPO, "build", "python")).rstrip(os.sep))
@@ -50,23 +52,6 @@ def test_py_overhead_rotates_the_rows_each_round():
         assert sorted(o[place] for o in orders) == sorted(rows), (place, orders)
     assert orders[0] == list(rows)  # the first round keeps the order the table prints
     assert tool.rotated(rows, 4) == orders[1]  # more rounds than rows wrap around
-
-
-def engine_workers(pid):
-    """The ponte-g* threads of process pid: {tid: allowed cores}."""
-    out = {}
-    try:
-        tids = os.listdir("/proc/%d/task" % pid)
-    except FileNotFoundError:
-        return out
-    for tid in tids:
-        try:
-            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
-                if f.read().startswith("ponte-g"):
-                    out[int(tid)] = os.sched_getaffinity(int(tid))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
 
 
 def children_of(pid):

@@ -12,7 +12,7 @@ import pytest
 
 import ponte
 from conftest import TIMEOUT_MS
-from peers import PeerProcess, pattern
+from peers import PeerProcess, engine_workers, pattern
 
 REGION = 8 << 20
 
@@ -245,26 +245,12 @@ def test_striped_writes_over_two_nics(provider):
         other.close()
 
 
-def worker_threads():
-    """This process's engine workers (thread name ponte-g<group>): {tid: allowed cores}."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open("/proc/self/task/%s/comm" % tid) as f:
-                if not f.read().startswith("ponte-g"):
-                    continue
-            out[int(tid)] = os.sched_getaffinity(int(tid))
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # ended meanwhile
-    return out
-
-
 def new_workers(before, want):
     """The engine workers not in before, once one has the cores want (its thread names and pins
     itself as it starts, after Engine() returned), or as they are after 10 s."""
     deadline = time.monotonic() + 10
     while True:
-        new = {t: cpus for t, cpus in worker_threads().items() if t not in before}
+        new = {t: cpus for t, cpus in engine_workers(os.getpid()).items() if t not in before}
         if want in new.values() or time.monotonic() > deadline:
             return new
         time.sleep(0.01)
@@ -276,7 +262,7 @@ def test_progress_cores_pins_the_worker_and_writes_still_move(provider):
     if len(allowed) < 2:
         pytest.skip("this process may use one core only: a pinned worker looks like an unpinned one")
     core = allowed[-1]  # a core this process may use, not the first: pinning shows
-    before = worker_threads()
+    before = engine_workers(os.getpid())
     eng = ponte.Engine(provider=provider, timeout_ms=TIMEOUT_MS, progress_cores=[core])
     other = PeerProcess(provider=provider, timeout_ms=TIMEOUT_MS)
     try:
